@@ -1,0 +1,52 @@
+# Two commands for a fresh machine:
+#   make demo   set up, then prepare a dataset and inspect it on an embedded LocalCluster
+#   make test   set up, then run the test suite
+#
+# The install puts a CPU build of torch in place first, so the project's `torch>=` range is
+# already met and pip fetches no multi-GB CUDA build. GPU users override TORCH_INDEX, e.g.
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+# Where the CPU build comes from. A local wheel directory (PIP_FIND_LINKS) wins when it
+# holds the build; otherwise PyTorch's CPU index is used.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dasktrain-installed
+DEMO_DIR ?= data
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif ls $${PIP_FIND_LINKS:-/nonexistent}/torch-$(TORCH_VERSION)* >/dev/null 2>&1; then \
+	  $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"; \
+	else \
+	  $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX); \
+	fi
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/dasktrain prepare digits $(DEMO_DIR)/digits.zarr --split train=0.8,val=0.2 --normalize --overwrite
+	$(VENV)/bin/dasktrain info $(DEMO_DIR)/digits.zarr
+	$(VENV)/bin/dasktrain verify $(DEMO_DIR)/digits.zarr
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) benchmarks/prepare.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,27 @@
+"""dasktrain: train PyTorch models on Zarr datasets larger than memory, on a Dask cluster."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from dasktrain.datasets import (
+    Dataset,
+    DatasetError,
+    PrepareConfig,
+    SourceError,
+    open_dataset,
+    prepare,
+)
+
+try:
+    __version__ = version("dasktrain")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Dataset",
+    "DatasetError",
+    "PrepareConfig",
+    "SourceError",
+    "__version__",
+    "open_dataset",
+    "prepare",
+]

@@ -1,0 +1,17 @@
+"""Datasets: the Zarr format, opening, preparing from sources, inspecting and verifying."""
+
+from dasktrain.datasets.config import PrepareConfig
+from dasktrain.datasets.dataset import Dataset, open_dataset
+from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.prepare import prepare
+from dasktrain.datasets.sources import builtin_names
+
+__all__ = [
+    "Dataset",
+    "DatasetError",
+    "PrepareConfig",
+    "SourceError",
+    "builtin_names",
+    "open_dataset",
+    "prepare",
+]

@@ -1,0 +1,72 @@
+"""Publish a directory atomically: build it in a hidden sibling, rename it into place.
+
+A failed, interrupted or killed build leaves nothing at the destination; a replaced dataset
+is moved aside first and restored if the final rename fails, so an existing good dataset is
+never lost to a bad run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+__all__ = ["StagedDirectory", "check_output_path"]
+
+
+def check_output_path(out: Path, overwrite: bool, is_replaceable: callable) -> None:
+    """Refuse outputs that cannot or must not be written, before any work starts.
+
+    ``is_replaceable(path)`` tells whether an existing ``out`` may be replaced (only our own
+    datasets are: ``--overwrite`` never deletes a stranger's directory).
+    """
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise FileExistsError(f"output {out} already exists; pass --overwrite to replace it")
+        if not is_replaceable(out):
+            raise FileExistsError(
+                f"output {out} exists and is not a dasktrain dataset; refusing to replace it"
+            )
+    parent = out.parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"cannot create {out}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {out}: {probe} is not writable")
+
+
+class StagedDirectory:
+    """A hidden build directory (and a scratch directory) beside ``target``."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        token = uuid.uuid4().hex[:8]
+        self.path = target.parent / f".{target.name}.tmp-{token}"
+        self.scratch = target.parent / f".{target.name}.scratch-{token}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir()
+        self.scratch.mkdir()
+
+    def publish(self) -> None:
+        """Move the build into place, replacing (and then deleting) any previous target."""
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        aside = None
+        if self.target.exists() or self.target.is_symlink():
+            aside = self.target.parent / f".{self.target.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.target, aside)
+        try:
+            os.replace(self.path, self.target)
+        except BaseException:
+            if aside is not None:
+                os.replace(aside, self.target)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def discard(self) -> None:
+        """Remove everything this build wrote; the target is untouched."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)

@@ -1,0 +1,62 @@
+"""Preparation settings: one dataclass shared by the Python API, the CLI and config files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dasktrain.datasets.format import DEFAULT_CHUNK_BYTES, parse_size
+from dasktrain.datasets.splits import parse_splits
+
+__all__ = ["COMPRESSIONS", "PrepareConfig"]
+
+COMPRESSIONS = ("zstd", "blosc", "none")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PrepareConfig:
+    """How :func:`dasktrain.prepare` builds a dataset."""
+
+    features: list[str] | None = None
+    """Feature columns or array name; default: every column but the target / autodetect."""
+    target: str | None = None
+    """Target column, npz array name, or ``.npy`` path of targets."""
+    encode_categorical: bool = False
+    """Encode non-numeric columns as integer codes instead of refusing them."""
+    samples: int | None = None
+    """Size of a synthetic dataset."""
+    width: int | None = None
+    """Number of features of a synthetic dataset."""
+    classes: int | None = None
+    """Number of classes of ``classification``."""
+    noise: float | None = None
+    """Noise level of a synthetic dataset."""
+    chunk_rows: int | None = None
+    """Samples per chunk; default: as many as fit in ``chunk_size``."""
+    chunk_size: str | int = DEFAULT_CHUNK_BYTES
+    """Target bytes per chunk of all arrays together, e.g. ``"4MiB"``."""
+    normalize: bool = False
+    """Standardise features with the mean and std of the first split (train)."""
+    split: str | dict[str, float] | None = None
+    """Named random splits, e.g. ``"train=0.9,val=0.1"``; sizes are exact."""
+    seed: int = 0
+    """Seed of the split assignment and of synthetic generators."""
+    compression: str = "zstd"
+    """Chunk codec: ``zstd``, ``blosc`` (zstd inside, byte-shuffled) or ``none``."""
+    overwrite: bool = False
+    """Replace an existing dataset at the output path."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.features, str):
+            self.features = [c.strip() for c in self.features.split(",") if c.strip()]
+        if self.chunk_rows is not None and self.chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be positive, got {self.chunk_rows}")
+        self.chunk_size = parse_size(self.chunk_size)
+        self.split = parse_splits(self.split)
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression {self.compression!r} is unknown; use one of {COMPRESSIONS}"
+            )
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.samples is not None and self.samples <= 0:
+            raise ValueError(f"samples must be positive, got {self.samples}")

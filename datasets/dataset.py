@@ -1,0 +1,167 @@
+"""Opening a prepared dataset: :func:`open_dataset` and the :class:`Dataset` view."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import dask.array as da
+import zarr
+
+from dasktrain.datasets.errors import DatasetError
+from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION
+
+__all__ = ["Dataset", "open_dataset"]
+
+PathLike = str | os.PathLike
+
+
+class Dataset:
+    """A prepared dataset, or a contiguous range of its samples (a split).
+
+    Arrays are exposed as dask arrays over the Zarr chunks, so nothing is read until asked.
+    Obtain one with :func:`open_dataset`; ``ds.split("train")`` gives the named split.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        group: zarr.Group,
+        attrs: Mapping[str, Any],
+        start: int = 0,
+        stop: int | None = None,
+        split_name: str | None = None,
+    ) -> None:
+        self.url = url
+        self.group = group
+        self.attrs: dict[str, Any] = dict(attrs)
+        self.start = start
+        self.stop = self.attrs["num_samples"] if stop is None else stop
+        self.split_name = split_name
+
+    # -- shape of the data -------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per Zarr chunk, the same for every array."""
+        return int(self.attrs["chunk_rows"])
+
+    @property
+    def array_names(self) -> list[str]:
+        return list(self.attrs["arrays"])
+
+    def role_of(self, name: str) -> str:
+        return self.attrs["arrays"][name]["role"]
+
+    def _name_with_role(self, role: str) -> str | None:
+        names = [n for n in self.array_names if self.role_of(n) == role]
+        return names[0] if names else None
+
+    @property
+    def features_name(self) -> str:
+        name = self._name_with_role("features")
+        if name is None:
+            raise DatasetError(f"dataset {self.url} has no features array")
+        return name
+
+    @property
+    def targets_name(self) -> str | None:
+        return self._name_with_role("targets")
+
+    @property
+    def splits(self) -> dict[str, tuple[int, int]]:
+        """Named splits as ``{name: (start, stop)}`` sample ranges of the whole dataset."""
+        return {k: (int(a), int(b)) for k, (a, b) in (self.attrs.get("splits") or {}).items()}
+
+    # -- access ------------------------------------------------------------------------
+    def zarr_array(self, name: str) -> zarr.Array:
+        """The Zarr array behind ``name`` (all samples, not only this view's range)."""
+        if name not in self.attrs["arrays"]:
+            raise KeyError(f"no array {name!r} in {self.url}; arrays: {self.array_names}")
+        return self.group[name]
+
+    def __getitem__(self, name: str) -> da.Array:
+        z = self.zarr_array(name)
+        return da.from_zarr(z, chunks=(self.chunk_rows, *z.shape[1:]))[self.start : self.stop]
+
+    @property
+    def arrays(self) -> dict[str, da.Array]:
+        return {name: self[name] for name in self.array_names}
+
+    @property
+    def x(self) -> da.Array:
+        """The features, as a dask array of shape (len(self), *feature_shape)."""
+        return self[self.features_name]
+
+    @property
+    def y(self) -> da.Array | None:
+        """The targets, or None for a dataset without targets."""
+        name = self.targets_name
+        return None if name is None else self[name]
+
+    def split(self, name: str) -> Dataset:
+        """The named split (e.g. ``"train"``) as a Dataset over its sample range."""
+        splits = self.splits
+        if name not in splits:
+            known = ", ".join(splits) or "none (prepare with --split train=0.9,val=0.1)"
+            raise KeyError(f"dataset {self.url} has no split {name!r}; splits: {known}")
+        if self.split_name is not None:
+            raise ValueError(f"{self!r} is already the split {self.split_name!r}")
+        start, stop = splits[name]
+        return Dataset(self.url, self.group, self.attrs, start, stop, split_name=name)
+
+    def __repr__(self) -> str:
+        what = f" split={self.split_name!r}" if self.split_name else ""
+        shapes = ", ".join(
+            f"{n}: {self.attrs['arrays'][n]['dtype']}{tuple(self.attrs['arrays'][n]['shape'][1:])}"
+            for n in self.array_names
+        )
+        return f"<dasktrain.Dataset {self.url}{what} samples={len(self)} [{shapes}]>"
+
+
+def _as_url(path: PathLike) -> str:
+    text = os.fspath(path)
+    return text if "://" in text else os.path.abspath(text)
+
+
+def open_dataset(path: PathLike, *, storage_options: dict | None = None) -> Dataset:
+    """Open a dataset written by :func:`dasktrain.prepare`.
+
+    Parameters
+    ----------
+    path
+        A local path or any fsspec URL zarr can open (``file://``, ``s3://``, ``memory://``).
+    storage_options
+        Passed to fsspec for URLs (credentials, endpoints).
+
+    Raises
+    ------
+    DatasetError
+        When nothing is there, or it is not a dasktrain dataset of a known format version.
+    """
+    url = _as_url(path)
+    try:
+        group = zarr.open_group(url, mode="r", storage_options=storage_options)
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+        raise DatasetError(f"no dataset at {url}: nothing there") from exc
+    except (zarr.errors.ContainsArrayError, ValueError, TypeError) as exc:
+        raise DatasetError(f"{url} is not a Zarr v3 group: {exc}") from exc
+    attrs = group.attrs.get(ATTRS_KEY)
+    if not isinstance(attrs, Mapping):
+        raise DatasetError(
+            f"{url} is a Zarr group but not a dasktrain dataset (no {ATTRS_KEY!r} attributes); "
+            "create one with `dasktrain prepare`"
+        )
+    version = attrs.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DatasetError(
+            f"{url} has dataset format version {version!r}; this dasktrain reads version "
+            f"{FORMAT_VERSION}"
+        )
+    missing = [name for name in attrs["arrays"] if name not in group]
+    if missing:
+        raise DatasetError(f"{url} lists arrays {missing} that are not in the group")
+    return Dataset(url, group, attrs)

@@ -1,0 +1,76 @@
+"""The on-disk format: what a dasktrain Zarr group records and how it is chunked.
+
+A dataset is a Zarr v3 group whose arrays share axis 0 (samples) and are chunked only along
+it. Everything else lives in the group attribute ``"dasktrain"``::
+
+    {
+      "format_version": 1,
+      "num_samples": 1797,
+      "chunk_rows": 4096,
+      "arrays": {"x": {"role": "features", "dtype": "float32", "shape": [1797, 64]},
+                 "y": {"role": "targets", "dtype": "int64", "shape": [1797]}},
+      "stats": {"x": {"mean": [...], "std": [...], "min": [...], "max": [...]}, ...},
+      "normalization": {"x": {"mean": [...], "std": [...], "fitted_on": "train"}} | null,
+      "splits": {"train": [0, 1438], "val": [1438, 1797]},
+      "classes": {"y": {"num_classes": 10, "counts": [...], "labels": null}},
+      "provenance": {"source": "digits", "options": {...}, "created": "...", "dasktrain": "0.1.0"}
+    }
+
+Splits are contiguous sample ranges, so a split is a slice and reading it touches only the
+chunks it covers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+__all__ = [
+    "ATTRS_KEY",
+    "DEFAULT_CHUNK_BYTES",
+    "FORMAT_VERSION",
+    "ROLES",
+    "chunk_rows_for",
+    "parse_size",
+]
+
+FORMAT_VERSION = 1
+ATTRS_KEY = "dasktrain"
+ROLES = ("features", "targets")
+#: 4 MiB of rows (all arrays together) per chunk: large enough that a read task does real
+#: work, small enough that a prefetch window of a few blocks stays in the tens of MiB.
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"4MiB"``, ``"8 MB"`` or ``1048576`` into a number of bytes."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"size must be positive, got {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4MiB, 8MB or 1048576")
+    unit = (match.group(2) or "").lower().removesuffix("b")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def chunk_rows_for(row_bytes: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk of every array together is about ``target_bytes``."""
+    if row_bytes <= 0:
+        raise ValueError(f"row size must be positive, got {row_bytes}")
+    return max(1, math.floor(target_bytes / row_bytes))
+
+
+def row_bytes(dtypes_and_shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> int:
+    """Bytes one sample takes across arrays given as (dtype, per-sample shape) pairs."""
+    return sum(np.dtype(dt).itemsize * math.prod(shape) for dt, shape in dtypes_and_shapes)

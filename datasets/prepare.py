@@ -1,0 +1,324 @@
+"""Build a dataset from a source with Dask: clean, split, normalise, write Zarr atomically.
+
+Small sources (known finite, no split, no normalisation) take one pass: each source chunk is
+written as one output chunk. Otherwise two passes keep memory bounded by a few chunks:
+
+1. *stage*: each source chunk is cleaned (rows with NaN/inf dropped), its rows are assigned to
+   splits and grouped by split, and the chunk is written to an uncompressed scratch Zarr;
+   the task returns per-split row counts and the moments of the rows normalisation is fitted
+   on.
+2. *write*: each output chunk gathers its rows from at most a few scratch chunks (rows of
+   split 0 first, then split 1, ...), normalises, compresses and writes, returning statistics
+   of the stored values.
+
+One task writes one output chunk, so no two tasks ever write the same chunk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import dask
+import numpy as np
+import zarr
+from distributed import Client
+
+from dasktrain._cluster import cluster_client
+from dasktrain._progress import gather_with_progress
+from dasktrain.datasets.atomic import StagedDirectory, check_output_path
+from dasktrain.datasets.config import PrepareConfig
+from dasktrain.datasets.dataset import Dataset, open_dataset
+from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION, chunk_rows_for, row_bytes
+from dasktrain.datasets.sources import Source, SourceOptions, get_source
+from dasktrain.datasets.splits import SplitPlan
+from dasktrain.datasets.stats import Moments, merge_all, summary_of
+
+__all__ = ["prepare"]
+
+logger = logging.getLogger(__name__)
+
+
+def _compressors(name: str) -> Any:
+    if name == "zstd":
+        return zarr.codecs.ZstdCodec(level=3, checksum=True)
+    if name == "blosc":
+        return zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+    return None
+
+
+def _create_arrays(group: zarr.Group, source: Source, num_samples: int, chunk_rows: int,
+                   compression: str) -> dict[str, zarr.Array]:
+    return {
+        name: group.create_array(
+            name, shape=(num_samples, *spec.sample_shape), dtype=spec.dtype,
+            chunks=(min(chunk_rows, max(num_samples, 1)), *spec.sample_shape),
+            compressors=_compressors(compression), fill_value=0,
+        )
+        for name, spec in source.specs.items()
+    }
+
+
+# -- tasks (run on workers) -------------------------------------------------------------------
+def _finite_rows(blocks: dict[str, np.ndarray]) -> np.ndarray:
+    keep = np.ones(len(next(iter(blocks.values()))), dtype=bool)
+    for block in blocks.values():
+        if block.dtype.kind == "f":
+            keep &= np.isfinite(block.reshape(len(block), -1)).all(axis=1)
+    return keep
+
+
+def _stage_chunk(scratch: dict[str, zarr.Array], start: int, plan: SplitPlan | None,
+                 fit_split: int, fit_name: str | None, clean: bool, *blocks: np.ndarray
+                 ) -> tuple[np.ndarray, Moments | None]:
+    named = dict(zip(scratch, blocks, strict=True))
+    n = len(blocks[0])
+    keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
+    ids = plan.assign(start, start + n) if plan is not None else np.zeros(n, dtype=np.int8)
+    rows = np.flatnonzero(keep)
+    rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, source order kept
+    for name, block in named.items():
+        scratch[name][start : start + len(rows)] = block[rows]
+    counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
+    fit = None
+    if fit_name is not None:
+        fit = Moments.of(named[fit_name][rows[ids[rows] == fit_split]])
+    return counts, fit
+
+
+def _write_chunk(out: dict[str, zarr.Array], start: int, sources: list[Any],
+                 pieces: list[tuple[int, int]] | None, norm: dict[str, tuple]) -> dict:
+    """Write output rows from ``start``: ``sources`` are scratch arrays read by ``pieces``
+    (row ranges), or the source blocks themselves when ``pieces`` is None."""
+    summaries = {}
+    for (name, target), source in zip(out.items(), sources, strict=True):
+        if pieces is None:
+            block = np.asarray(source)
+        else:
+            block = np.concatenate([source[a:b] for a, b in pieces])
+        if name in norm:
+            mean, std = norm[name]
+            block = ((block - mean) / std).astype(target.dtype)
+        block = block.astype(target.dtype, copy=False)
+        target[start : start + len(block)] = block
+        summaries[name] = summary_of(block)
+    return summaries
+
+
+# -- orchestration (runs on the client) -------------------------------------------------------
+def _layout(counts: np.ndarray, starts: list[int], chunk_rows: int) -> list[list[tuple[int, int]]]:
+    """Scratch row ranges that make up each output chunk.
+
+    ``counts[i, s]`` rows of split ``s`` sit in scratch chunk ``i`` after the rows of the
+    splits before it; the output holds split 0 of every chunk in order, then split 1, ...
+    """
+    runs = []
+    for s in range(counts.shape[1]):
+        for i, start in enumerate(starts):
+            if counts[i, s]:
+                a = start + int(counts[i, :s].sum())
+                runs.append((a, a + int(counts[i, s])))
+    chunks: list[list[tuple[int, int]]] = [[]]
+    room = chunk_rows
+    for a, b in runs:
+        while a < b:
+            if room == 0:
+                chunks.append([])
+                room = chunk_rows
+            take = min(room, b - a)
+            chunks[-1].append((a, a + take))
+            a += take
+            room -= take
+    return [c for c in chunks if c]
+
+
+def _provenance(source: str, src: Source, config: PrepareConfig) -> dict[str, Any]:
+    options = {k: v for k, v in config.__class__.__dataclass_fields__.items()}
+    options = {k: getattr(config, k) for k in options if k != "overwrite"}
+    versions = {}
+    for package in ("dasktrain", "dask", "distributed", "zarr", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "source": os.fspath(source),
+        "source_details": src.provenance,
+        "options": options,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": versions,
+    }
+
+
+def _is_dataset(path: Path) -> bool:
+    try:
+        open_dataset(path)
+    except (DatasetError, OSError):
+        return False
+    return True
+
+
+def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_path: Path,
+           config: PrepareConfig, progress: bool) -> dict[str, Any]:
+    specs = src.specs
+    chunk_rows = config.chunk_rows or chunk_rows_for(
+        row_bytes([(s.dtype, s.sample_shape) for s in specs.values()]), config.chunk_size)
+    chunk_rows = min(chunk_rows, src.num_samples)
+    arrays = src.to_dask(chunk_rows)
+    names = list(specs)
+    starts = list(np.cumsum((0, *arrays[names[0]].chunks[0][:-1])).tolist())
+    blocks = [arrays[name].to_delayed().ravel() for name in names]
+    features = [n for n in names if specs[n].role == "features"]
+    fractions = config.split or {}
+    plan = SplitPlan.make(fractions, src.num_samples, config.seed) if fractions else None
+    split_names = list(plan.names) if plan else []
+    attrs: dict[str, Any] = {"normalization": None}
+
+    if src.known_finite and plan is None and not config.normalize:
+        out = _create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
+        tasks = [dask.delayed(_write_chunk)(out, start, [b[i] for b in blocks], None, {})
+                 for i, start in enumerate(starts)]
+        results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+        num_samples, dropped, sizes = src.num_samples, 0, {}
+    else:
+        scratch_root = zarr.open_group(str(scratch_path), mode="w")
+        scratch = {
+            name: scratch_root.create_array(
+                name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
+                chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0)
+            for name, spec in specs.items()
+        }
+        fit_name = features[0] if config.normalize and features else None
+        tasks = [
+            dask.delayed(_stage_chunk)(
+                scratch, start, plan.slice_for(start, start + b) if plan else None,
+                0, fit_name, not src.known_finite, *[blk[i] for blk in blocks])
+            for i, (start, b) in enumerate(
+                zip(starts, arrays[names[0]].chunks[0], strict=True))
+        ]
+        staged = gather_with_progress(client, client.compute(tasks), "staging", progress)
+        counts = np.stack([c for c, _ in staged])
+        num_samples = int(counts.sum())
+        dropped = src.num_samples - num_samples
+        if num_samples == 0:
+            raise SourceError(f"source {source!r} has no finite rows: all {dropped} dropped")
+        sizes = dict(zip(split_names, counts.sum(axis=0).tolist(), strict=True))
+        empty = [name for name, size in sizes.items() if size == 0]
+        if empty:
+            raise SourceError(
+                f"split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} would be "
+                f"empty with {num_samples} samples; use larger fractions or more data"
+            )
+        norm = {}
+        if fit_name is not None:
+            fit = merge_all([m for _, m in staged])
+            std = np.where(fit.std > 0, fit.std, 1.0)
+            norm[fit_name] = (fit.mean.astype(np.float32), std.astype(np.float32))
+            attrs["normalization"] = {fit_name: {
+                "mean": fit.mean.tolist(), "std": std.tolist(), "count": fit.count,
+                "fitted_on": split_names[0] if split_names else "all"}}
+        out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
+        layout = _layout(counts, starts, chunk_rows)
+        scratch_list = [scratch[n] for n in names]
+        tasks = [dask.delayed(_write_chunk, pure=False)(out, j * chunk_rows, scratch_list,
+                                                        pieces, norm)
+                 for j, pieces in enumerate(layout)]
+        results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+
+    stats = {name: merge_all([r[name] for r in results]).to_json() for name in names}
+    splits, offset = {}, 0
+    for name, size in sizes.items():
+        splits[name] = [offset, offset + size]
+        offset += size
+    attrs.update({
+        "format_version": FORMAT_VERSION,
+        "num_samples": num_samples,
+        "chunk_rows": chunk_rows,
+        "arrays": {n: {"role": specs[n].role, "dtype": str(specs[n].dtype),
+                       "shape": [num_samples, *specs[n].sample_shape]} for n in names},
+        "stats": stats,
+        "splits": splits,
+        "labels": src.labels,
+        "rows_dropped_nonfinite": dropped,
+        "provenance": _provenance(source, src, config),
+    })
+    return attrs
+
+
+def prepare(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    client: Client | None = None,
+    scheduler: str | None = None,
+    progress: bool = True,
+    config: PrepareConfig | None = None,
+    **options: Any,
+) -> Dataset:
+    """Build a dasktrain dataset at ``out`` from ``source`` with a Dask graph.
+
+    Parameters
+    ----------
+    source
+        A built-in name (``digits``, ``parabola``, ``regression``, ``classification``) or a
+        path: ``.npy``/``.npz`` file, CSV or Parquet file, or a directory of them.
+    out
+        Local directory of the new dataset (on storage every worker can reach).
+    client, scheduler
+        Run on this client or on the cluster at this address; by default a LocalCluster is
+        started for the call and closed afterwards.
+    progress
+        Show a progress bar per pass.
+    config, **options
+        A :class:`PrepareConfig`, or its fields as keywords (``split="train=0.9,val=0.1"``,
+        ``normalize=True``, ``chunk_rows=8192``, ``samples=...``, ``overwrite=True``...).
+
+    Returns
+    -------
+    Dataset
+        The new dataset, opened.
+
+    Raises
+    ------
+    SourceError
+        The source is missing, empty, not numeric or inconsistent.
+    FileExistsError
+        ``out`` exists and ``overwrite`` is not set.
+
+    Notes
+    -----
+    The dataset is built in a hidden sibling of ``out`` and renamed into place at the end: a
+    failed or interrupted run leaves nothing at ``out`` and never damages what was there.
+    """
+    if config is not None and options:
+        raise TypeError("give either config= or keyword options, not both")
+    config = config or PrepareConfig(**options)
+    text = os.fspath(out)
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(f"output {text!r}: write to a local or shared path, then copy it")
+    target = Path(text.removeprefix("file://")).absolute()
+    check_output_path(target, config.overwrite, _is_dataset)
+    staged = StagedDirectory(target)
+    try:
+        with cluster_client(client, scheduler) as active:
+            source_options = SourceOptions(
+                features=config.features, target=config.target,
+                encode_categorical=config.encode_categorical, samples=config.samples,
+                width=config.width, classes=config.classes, noise=config.noise,
+                seed=config.seed, scratch_dir=str(staged.scratch / "source"))
+            src = get_source(source, source_options)
+            root = zarr.open_group(str(staged.path), mode="w")
+            attrs = _build(active, os.fspath(source), src, root, staged.scratch / "stage",
+                           config, progress)
+            root.attrs[ATTRS_KEY] = attrs
+        staged.publish()
+    except BaseException:
+        staged.discard()
+        raise
+    logger.info("prepared %s: %d samples", target, attrs["num_samples"])
+    return open_dataset(target)

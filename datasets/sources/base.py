@@ -1,0 +1,166 @@
+"""What a preparation source provides, and the registry that finds one by name or path."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import dask.array as da
+import numpy as np
+
+from dasktrain.datasets.errors import SourceError
+
+__all__ = [
+    "ArraySpec",
+    "Source",
+    "SourceOptions",
+    "get_source",
+    "register_builtin",
+    "register_suffix",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArraySpec:
+    """One array a source yields: its role, stored dtype and per-sample shape."""
+
+    role: str
+    dtype: np.dtype
+    sample_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SourceOptions:
+    """Options a source may use; each source reads the ones that apply to it."""
+
+    features: list[str] | None = None
+    """Columns (tabular) or array name (npz) holding the features; default: all / autodetect."""
+    target: str | None = None
+    """Target column (tabular), array name (npz) or path of a ``.npy`` file (npy)."""
+    encode_categorical: bool = False
+    """Encode non-numeric columns as integer category codes instead of refusing them."""
+    samples: int | None = None
+    """Number of samples a synthetic generator makes."""
+    width: int | None = None
+    """Number of features a synthetic generator makes."""
+    classes: int | None = None
+    """Number of classes for ``classification``."""
+    noise: float | None = None
+    """Standard deviation of the noise a synthetic generator adds."""
+    seed: int = 0
+    """Seed of synthetic generators."""
+    scratch_dir: str | None = None
+    """A directory, visible to every worker, where a source may stage data it cannot map in
+    place (compressed ``.npz`` members); the caller removes it afterwards."""
+
+
+class Source(Protocol):
+    """A source of samples: a schema known up front, then dask arrays chunked as asked."""
+
+    #: ``{name: ArraySpec}`` in output order; all arrays share axis 0.
+    specs: dict[str, ArraySpec]
+    #: Number of samples before cleaning.
+    num_samples: int
+    #: True when the source cannot hold NaN or infinities (cleaning pass skipped).
+    known_finite: bool
+    #: JSON-able description recorded as provenance.
+    provenance: dict[str, Any]
+    #: Category labels of encoded columns: ``{array name: [label, ...]}``.
+    labels: dict[str, list[str]]
+
+    def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
+        """Dask arrays chunked by ``chunk_rows`` along axis 0 (only), dtypes as in ``specs``."""
+        ...
+
+
+SourceFactory = Callable[[str, SourceOptions], Source]
+_BUILTINS: dict[str, SourceFactory] = {}
+_SUFFIXES: dict[str, SourceFactory] = {}
+
+
+def register_builtin(name: str) -> Callable[[SourceFactory], SourceFactory]:
+    """Register a named source (a bundled dataset or a generator)."""
+
+    def deco(factory: SourceFactory) -> SourceFactory:
+        _BUILTINS[name] = factory
+        return factory
+
+    return deco
+
+
+def register_suffix(*suffixes: str) -> Callable[[SourceFactory], SourceFactory]:
+    """Register a source for files (or directories of files) with these suffixes."""
+
+    def deco(factory: SourceFactory) -> SourceFactory:
+        for suffix in suffixes:
+            _SUFFIXES[suffix] = factory
+        return factory
+
+    return deco
+
+
+def builtin_names() -> list[str]:
+    return sorted(_BUILTINS)
+
+
+def _suffix_of(path: Path) -> str:
+    if path.is_dir():
+        suffixes = {p.suffix.lower() for p in path.iterdir() if p.is_file() and p.suffix}
+        known = suffixes & set(_SUFFIXES)
+        if not known:
+            raise SourceError(
+                f"source directory {path} holds no files of a known kind "
+                f"({', '.join(sorted(_SUFFIXES))})"
+            )
+        if len(known) > 1:
+            raise SourceError(
+                f"source directory {path} mixes file kinds {sorted(known)}; keep one kind"
+            )
+        return known.pop()
+    return path.suffix.lower()
+
+
+def get_source(source: str | os.PathLike, options: SourceOptions | None = None) -> Source:
+    """Find the source for a built-in name (``digits``, ``parabola``...) or a path.
+
+    Raises
+    ------
+    SourceError
+        When the name is unknown, the path is missing or of an unknown kind, or the data is
+        unusable (empty, not numeric, mismatched lengths).
+    """
+    options = options or SourceOptions()
+    text = os.fspath(source)
+    if text in _BUILTINS:
+        return _BUILTINS[text](text, options)
+    path = Path(text)
+    if not path.exists():
+        raise SourceError(
+            f"source {text!r} is neither a file or directory that exists nor a built-in source "
+            f"({', '.join(builtin_names())})"
+        )
+    suffix = _suffix_of(path)
+    if suffix not in _SUFFIXES:
+        raise SourceError(
+            f"source {text!r}: files ending in {suffix or '(no suffix)'!r} are not supported; "
+            f"use one of {', '.join(sorted(_SUFFIXES))}"
+        )
+    return _SUFFIXES[suffix](text, options)
+
+
+def check_numeric(name: str, dtype: np.dtype, what: str = "array") -> None:
+    """Refuse data that is not numbers, naming it."""
+    if dtype.kind not in "biuf":
+        raise SourceError(
+            f"{what} {name!r} has non-numeric dtype {dtype}; dasktrain stores numbers only"
+        )
+
+
+def stored_dtype(role: str, dtype: np.dtype) -> np.dtype:
+    """Features become float32; integer targets int64 (class labels); other targets float32."""
+    if role == "targets" and dtype.kind in "biu":
+        return np.dtype("int64")
+    return np.dtype("float32")

@@ -1,0 +1,136 @@
+"""CSV and Parquet sources (files or directories of them), read with dask.dataframe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+
+from dasktrain.datasets.errors import SourceError
+from dasktrain.datasets.sources.base import (
+    ArraySpec,
+    SourceOptions,
+    register_suffix,
+    stored_dtype,
+)
+
+__all__ = ["TabularSource"]
+
+
+def _read(path: Path, suffix: str) -> dd.DataFrame:
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() == suffix) if path.is_dir() \
+        else [path]
+    if not files:
+        raise SourceError(f"{path} holds no {suffix} files")
+    try:
+        if suffix == ".csv":
+            if all(f.stat().st_size == 0 for f in files):
+                raise SourceError(f"{path} is empty: no header and no rows")
+            return dd.read_csv([str(f) for f in files], blocksize="32MiB")
+        return dd.read_parquet([str(f) for f in files])
+    except SourceError:
+        raise
+    except (ValueError, OSError, pd.errors.ParserError) as exc:
+        raise SourceError(f"cannot read {path}: {exc}") from exc
+
+
+def _is_numeric(dtype: Any) -> bool:
+    return pd.api.types.is_numeric_dtype(dtype) or pd.api.types.is_bool_dtype(dtype)
+
+
+def _encode(part: pd.DataFrame, categories: dict[str, list]) -> pd.DataFrame:
+    part = part.copy()
+    for column, cats in categories.items():
+        values = part[column].astype("string")
+        codes = pd.Categorical(values, categories=cats).codes.astype("float64")
+        codes[codes < 0] = np.nan  # missing values stay missing, and are dropped later
+        part[column] = codes
+    return part
+
+
+class TabularSource:
+    """Rows of a CSV or Parquet table; ``features=`` and ``target=`` pick the columns.
+
+    Without ``features``, every column but the target is a feature. Non-numeric columns are
+    refused by name unless ``encode_categorical`` is set, in which case their sorted distinct
+    values become integer codes (recorded as labels). Rows with missing values in the chosen
+    columns are dropped (counted in the provenance).
+    """
+
+    known_finite = False
+
+    def __init__(self, source: str, options: SourceOptions):
+        path = Path(source)
+        suffix = path.suffix.lower() if path.is_file() else next(
+            p.suffix.lower() for p in path.iterdir() if p.suffix.lower() in (".csv", ".parquet",
+                                                                               ".pq"))
+        df = _read(path, suffix)
+        columns = list(df.columns)
+        if not columns:
+            raise SourceError(f"{path} has no columns")
+        target = options.target
+        if target is not None and target not in columns:
+            raise SourceError(f"{path} has no column {target!r} (the target); columns: {columns}")
+        features = options.features or [c for c in columns if c != target]
+        unknown = [c for c in features if c not in columns]
+        if unknown:
+            raise SourceError(
+                f"{path} has no column{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; columns: {columns}"
+            )
+        if target is not None and target in features:
+            raise SourceError(f"column {target!r} cannot be both a feature and the target")
+        if not features:
+            raise SourceError(f"{path}: no feature columns left besides the target {target!r}")
+        chosen = [*features, *([target] if target else [])]
+        df = df[chosen]
+        non_numeric = [c for c in chosen if not _is_numeric(df[c].dtype)]
+        self.labels: dict[str, list[str]] = {}
+        if non_numeric and not options.encode_categorical:
+            raise SourceError(
+                f"{path}: non-numeric column{'s' if len(non_numeric) > 1 else ''} "
+                f"{', '.join(map(repr, non_numeric))} (dtype "
+                f"{', '.join(str(df[c].dtype) for c in non_numeric)}); drop them with "
+                "--features or encode them with --encode-categorical"
+            )
+        if non_numeric:
+            uniques = dd.compute(*[df[c].dropna().unique() for c in non_numeric])
+            categories = {c: sorted(map(str, u)) for c, u in zip(non_numeric, uniques, strict=True)}
+            df = df.map_partitions(_encode, categories)
+            if target in categories:
+                self.labels["y"] = categories[target]
+        rows_before = len(df)
+        df = df.dropna()
+        parts = df.to_dask_array(lengths=True)
+        self.num_samples = parts.shape[0]
+        if self.num_samples == 0:
+            raise SourceError(
+                f"{path} is empty: {rows_before} row(s), none complete in columns {chosen}"
+            )
+        self._x = parts[:, : len(features)]
+        self._y = parts[:, len(features)] if target else None
+        self.specs = {"x": ArraySpec("features", np.dtype("float32"), (len(features),))}
+        if target:
+            # Integer columns and encoded categories are class labels; anything else a value.
+            is_label = target in non_numeric or pd.api.types.is_integer_dtype(df[target].dtype)
+            target_dtype = np.dtype("int64") if is_label else np.dtype("float64")
+            self.specs["y"] = ArraySpec("targets", stored_dtype("targets", target_dtype), ())
+        self.provenance = {"kind": "tabular", "path": str(path.resolve()), "features": features,
+                           "target": target, "encoded": non_numeric,
+                           "rows_read": int(rows_before),
+                           "rows_dropped_missing": int(rows_before - self.num_samples)}
+
+    def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
+        out = {"x": self._x.rechunk({0: chunk_rows, 1: -1}).astype(np.float32)}
+        if self._y is not None:
+            out["y"] = self._y.rechunk({0: chunk_rows}).astype(self.specs["y"].dtype)
+        return out
+
+
+@register_suffix(".csv", ".parquet", ".pq")
+def _tabular_source(source: str, options: SourceOptions) -> TabularSource:
+    return TabularSource(source, options)
