@@ -7,8 +7,11 @@ from dasktrain.datasets import (
     DatasetError,
     PrepareConfig,
     SourceError,
+    VerifyReport,
+    describe,
     open_dataset,
     prepare,
+    verify,
 )
 
 try:
@@ -21,7 +24,10 @@ __all__ = [
     "DatasetError",
     "PrepareConfig",
     "SourceError",
+    "VerifyReport",
     "__version__",
+    "describe",
     "open_dataset",
     "prepare",
+    "verify",
 ]

@@ -3,6 +3,7 @@
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
 from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.inspect import VerifyReport, describe, verify
 from dasktrain.datasets.prepare import prepare
 from dasktrain.datasets.sources import builtin_names
 
@@ -11,7 +12,10 @@ __all__ = [
     "DatasetError",
     "PrepareConfig",
     "SourceError",
+    "VerifyReport",
     "builtin_names",
+    "describe",
     "open_dataset",
     "prepare",
+    "verify",
 ]

@@ -146,8 +146,10 @@ def open_dataset(path: PathLike, *, storage_options: dict | None = None) -> Data
     try:
         group = zarr.open_group(url, mode="r", storage_options=storage_options)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+        if "://" not in url and os.path.exists(url):
+            raise DatasetError(f"{url} is not a dasktrain dataset: no Zarr group there") from exc
         raise DatasetError(f"no dataset at {url}: nothing there") from exc
-    except (zarr.errors.ContainsArrayError, ValueError, TypeError) as exc:
+    except (zarr.errors.BaseZarrError, ValueError, TypeError) as exc:
         raise DatasetError(f"{url} is not a Zarr v3 group: {exc}") from exc
     attrs = group.attrs.get(ATTRS_KEY)
     if not isinstance(attrs, Mapping):

@@ -207,7 +207,7 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_p
         dropped = src.num_samples - num_samples
         if num_samples == 0:
             raise SourceError(f"source {source!r} has no finite rows: all {dropped} dropped")
-        sizes = dict(zip(split_names, counts.sum(axis=0).tolist(), strict=True))
+        sizes = dict(zip(split_names, counts.sum(axis=0).tolist(), strict=True)) if plan else {}
         empty = [name for name, size in sizes.items() if size == 0]
         if empty:
             raise SourceError(

@@ -1,0 +1,128 @@
+"""The ``dasktrain`` command: thin wrappers that parse arguments and call one library function.
+
+User mistakes (bad paths, options, data) print one line on stderr and exit with status 2;
+Ctrl-C exits with 130 after the interrupted command has cleaned up after itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, like every other user error
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _add_cluster(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scheduler", metavar="ADDRESS",
+                        help="use the Dask cluster at ADDRESS (default: start a LocalCluster)")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from dasktrain.datasets import builtin_names
+
+    parser = _Parser(prog="dasktrain", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    prep = commands.add_parser(
+        "prepare", help="build a dataset from files, a bundled dataset or a generator",
+        description="Build a dasktrain Zarr dataset with Dask.")
+    prep.add_argument("source", help=f"a .npy/.npz/.csv/.parquet file or directory, or one of "
+                                     f"{', '.join(builtin_names())}")
+    prep.add_argument("out", help="directory of the new dataset")
+    prep.add_argument("--features", help="comma-separated feature columns (tabular) or the "
+                                         "features array name (npz)")
+    prep.add_argument("--target", help="target column, npz array name, or .npy file of targets")
+    prep.add_argument("--encode-categorical", action="store_true",
+                      help="encode non-numeric columns as integer codes instead of refusing")
+    prep.add_argument("--samples", type=int, help="samples of a synthetic dataset")
+    prep.add_argument("--width", type=int, help="features of a synthetic dataset")
+    prep.add_argument("--classes", type=int, help="classes of `classification`")
+    prep.add_argument("--noise", type=float, help="noise level of a synthetic dataset")
+    size = prep.add_mutually_exclusive_group()
+    size.add_argument("--chunk-rows", type=int, help="samples per chunk")
+    size.add_argument("--chunk-size", default="4MiB",
+                      help="target bytes per chunk of all arrays (default 4MiB)")
+    prep.add_argument("--normalize", action="store_true",
+                      help="standardise features with the first split's mean and std")
+    prep.add_argument("--split", help="random splits of exact sizes, e.g. train=0.9,val=0.1")
+    prep.add_argument("--seed", type=int, default=0, help="seed of splits and generators")
+    prep.add_argument("--compression", default="zstd", choices=["zstd", "blosc", "none"])
+    prep.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    _add_cluster(prep)
+
+    info = commands.add_parser("info", help="print a dataset's schema, sizes and splits")
+    info.add_argument("path")
+
+    check = commands.add_parser("verify", help="read every chunk and check it")
+    check.add_argument("path")
+    _add_cluster(check)
+    return parser
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from dasktrain.datasets import PrepareConfig, describe, prepare
+
+    config = PrepareConfig(
+        features=args.features, target=args.target, encode_categorical=args.encode_categorical,
+        samples=args.samples, width=args.width, classes=args.classes, noise=args.noise,
+        chunk_rows=args.chunk_rows, chunk_size=args.chunk_size, normalize=args.normalize,
+        split=args.split, seed=args.seed, compression=args.compression,
+        overwrite=args.overwrite)
+    ds = prepare(args.source, args.out, scheduler=args.scheduler,
+                 progress=not args.no_progress, config=config)
+    print(describe(ds))
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from dasktrain.datasets import describe
+
+    print(describe(args.path))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dasktrain.datasets import verify
+
+    report = verify(args.path, scheduler=args.scheduler, progress=not args.no_progress)
+    if report.ok:
+        print(f"ok: {report.url}: {report.chunks_read} chunks read, all checks passed")
+        return 0
+    for problem in report.problems:
+        print(f"dasktrain verify: {report.url}: {problem}", file=sys.stderr)
+    return 1
+
+
+_COMMANDS = {"prepare": _prepare, "info": _info, "verify": _verify}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dasktrain`` command; returns the exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"dasktrain {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, KeyError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"dasktrain {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Describing a dataset (``dasktrain info``) and checking it chunk by chunk (``verify``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import dask
+import numpy as np
+import zarr
+from distributed import Client
+
+from dasktrain._cluster import cluster_client
+from dasktrain._progress import gather_with_progress
+from dasktrain.datasets.dataset import Dataset, open_dataset
+from dasktrain.datasets.errors import DatasetError
+from dasktrain.datasets.stats import merge_all, summary_of
+
+__all__ = ["VerifyReport", "describe", "verify"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def describe(path: str | Dataset) -> str:
+    """A human-readable summary: schema, sizes, chunking, compression ratio and splits."""
+    ds = path if isinstance(path, Dataset) else open_dataset(path)
+    attrs = ds.attrs
+    lines = [f"dataset   {ds.url}",
+             f"samples   {attrs['num_samples']:,} in chunks of {attrs['chunk_rows']:,} rows"]
+    total_raw = total_stored = 0
+    lines.append("arrays")
+    for name in ds.array_names:
+        z = ds.zarr_array(name)
+        raw, stored = z.nbytes, z.nbytes_stored()
+        total_raw += raw
+        total_stored += stored
+        codecs = ", ".join(type(c).__name__.removesuffix("Codec").lower()
+                           for c in z.compressors) or "none"
+        ratio = raw / stored if stored else math.inf
+        lines.append(f"  {name:<8} {ds.role_of(name):<9} {z.dtype!s:<8} shape={z.shape} "
+                     f"chunks={z.chunks} codec={codecs} {_human(raw)} -> {_human(stored)} "
+                     f"({ratio:.2f}x)")
+    ratio = total_raw / total_stored if total_stored else math.inf
+    lines.append(f"size      {_human(total_raw)} raw, {_human(total_stored)} stored "
+                 f"(compression {ratio:.2f}x)")
+    splits = ds.splits
+    lines.append("splits    " + (", ".join(f"{k}={b - a:,} [{a:,}:{b:,})"
+                                         for k, (a, b) in splits.items()) or "none"))
+    norm = attrs.get("normalization")
+    lines.append("normalized " + (", ".join(f"{k} (fitted on {v['fitted_on']})"
+                                           for k, v in norm.items()) if norm else "no"))
+    for name, stat in attrs["stats"].items():
+        mean = np.asarray(stat["mean"]).ravel()
+        std = np.asarray(stat["std"]).ravel()
+        text = (f"  {name}: mean {mean.mean():.4g} (avg over {mean.size}), "
+                f"std {std.mean():.4g}, min {np.min(stat['min']):.4g}, "
+                f"max {np.max(stat['max']):.4g}")
+        if "class_counts" in stat:
+            text += f", {stat['num_classes']} classes"
+        lines.append(text)
+    prov = attrs["provenance"]
+    lines.append(f"source    {prov['source']} (created {prov['created']})")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(slots=True)
+class VerifyReport:
+    """What :func:`verify` found; ``problems`` is empty for a good dataset."""
+
+    url: str
+    chunks_read: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_chunk(array: zarr.Array, name: str, index: int, chunk_rows: int,
+                 role: str) -> tuple[Any, list[str]]:
+    start = index * chunk_rows
+    try:
+        block = array[start : start + chunk_rows]
+    except Exception as exc:  # any decode failure names the chunk, whatever the codec raised
+        return None, [f"array {name!r} chunk {index} (rows {start}:{start + chunk_rows}) "
+                      f"cannot be read: {type(exc).__name__}: {exc}"]
+    problems = []
+    if block.dtype.kind == "f":
+        bad = ~np.isfinite(block.reshape(len(block), -1)).all(axis=1)
+        if bad.any():
+            problems.append(f"array {name!r} chunk {index} has {int(bad.sum())} row(s) with "
+                            f"NaN or infinite values (first at row {start + int(bad.argmax())})")
+    return summary_of(block), problems
+
+
+def _close(recorded: Any, found: Any, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    return np.allclose(np.asarray(recorded, float), np.asarray(found, float), rtol=rtol,
+                       atol=atol)
+
+
+def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
+    attrs = ds.attrs
+    problems: list[str] = []
+    tasks, owners = [], []
+    n = attrs["num_samples"]
+    for name, meta in attrs["arrays"].items():
+        z = ds.zarr_array(name)
+        if list(z.shape) != meta["shape"]:
+            problems.append(f"array {name!r} has shape {z.shape}, attributes say {meta['shape']}")
+        if str(z.dtype) != meta["dtype"]:
+            problems.append(f"array {name!r} has dtype {z.dtype}, attributes say {meta['dtype']}")
+        if z.shape[0] != n:
+            problems.append(f"array {name!r} has {z.shape[0]} samples, the dataset {n}")
+        if z.chunks[0] != min(attrs["chunk_rows"], max(n, 1)) or z.chunks[1:] != z.shape[1:]:
+            problems.append(f"array {name!r} is chunked {z.chunks}, not along samples only")
+        if problems:
+            continue
+        for index in range(math.ceil(n / z.chunks[0])):
+            tasks.append(dask.delayed(_check_chunk, pure=False)(
+                z, name, index, z.chunks[0], meta["role"]))
+            owners.append(name)
+    splits = attrs.get("splits") or {}
+    edge = 0
+    for split, (a, b) in splits.items():
+        if a != edge or b < a:
+            problems.append(f"split {split!r} range [{a}, {b}) does not follow on from {edge}")
+        edge = b
+    if splits and edge != n:
+        problems.append(f"splits cover {edge} samples, the dataset has {n}")
+    if problems:
+        return VerifyReport(ds.url, 0, problems)
+    results = gather_with_progress(client, client.compute(tasks), "verifying", progress)
+    by_array: dict[str, list] = {}
+    for name, (summary, found) in zip(owners, results, strict=True):
+        problems.extend(found)
+        if summary is not None:
+            by_array.setdefault(name, []).append(summary)
+    for name, parts in by_array.items():
+        if len(parts) != sum(o == name for o in owners):
+            continue  # unreadable chunks already reported; statistics would mislead
+        found = merge_all(parts).to_json()
+        recorded = attrs["stats"].get(name)
+        if recorded is None:
+            problems.append(f"array {name!r} has no recorded statistics")
+            continue
+        for key in ("mean", "std", "min", "max"):
+            if not _close(recorded[key], found[key]):
+                problems.append(f"array {name!r}: recorded {key} does not match the data "
+                                f"(largest difference "
+                                f"{np.max(np.abs(np.subtract(recorded[key], found[key]))):.3g})")
+        if recorded.get("class_counts") not in (None, found.get("class_counts")):
+            problems.append(f"array {name!r}: recorded class counts do not match the data")
+    return VerifyReport(ds.url, len(tasks), problems)
+
+
+def verify(path: str | Dataset, *, client: Client | None = None, scheduler: str | None = None,
+           progress: bool = True) -> VerifyReport:
+    """Read every chunk of every array and check shapes, dtypes, finiteness and statistics.
+
+    Reading happens in Dask tasks, one per chunk, on the given cluster or a LocalCluster.
+    Returns a :class:`VerifyReport`; it raises only when the path is not a dataset at all.
+    """
+    ds = path if isinstance(path, Dataset) else open_dataset(path)
+    if ds.split_name is not None:
+        raise DatasetError("verify a whole dataset, not a split")
+    with cluster_client(client, scheduler) as active:
+        return _run_verify(active, ds, progress)

@@ -1,0 +1,48 @@
+"""Small source files and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_npy_pair(directory: Path, rows: int = 1000, width: int = 5, seed: int = 0
+                   ) -> tuple[Path, Path, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    y = rng.integers(0, 3, size=rows).astype(np.int64)
+    xp, yp = directory / "x.npy", directory / "y.npy"
+    np.save(xp, x)
+    np.save(yp, y)
+    return xp, yp, x, y
+
+
+def write_table(path: Path, rows: int = 500, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame({
+        "a": rng.standard_normal(rows),
+        "b": rng.uniform(0, 10, rows),
+        "c": rng.integers(0, 100, rows).astype(float),
+        "label": rng.integers(0, 4, rows),
+    })
+    if path.suffix == ".csv":
+        df.to_csv(path, index=False)
+    else:
+        df.to_parquet(path, index=False)
+    return df
+
+
+def run_cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """Run the real ``dasktrain`` command in a subprocess."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = Path(sys.executable).parent / "dasktrain"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "dasktrain.cli"]
+    return subprocess.run([*command, *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, **kwargs)

@@ -1,0 +1,79 @@
+"""Pure parts of the format: sizes, chunking, split plans and mergeable statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dasktrain.datasets.format import chunk_rows_for, parse_size
+from dasktrain.datasets.splits import SplitPlan, parse_splits
+from dasktrain.datasets.stats import merge_all, summary_of
+
+
+@pytest.mark.parametrize(("text", "expected"), [("4MiB", 4 * 2**20), ("8 MB", 8_000_000),
+                                                ("1024", 1024), (512, 512), ("1.5KiB", 1536)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1", "0", "4 parsecs"])
+def test_parse_size_refuses_nonsense(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_chunk_rows_for_targets_bytes():
+    assert chunk_rows_for(32 * 4 + 8, 8192 * (32 * 4 + 8)) == 8192
+    assert chunk_rows_for(10**9, 4) == 1
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("train=0.9,val=0.2", "sum to"), ("train", "cannot read"), ("train=x", "not a number"),
+    ("train=0.5,train=0.5", "twice"), ("train=1.5", r"\(0, 1\]"), ("my split=1", "plain name"),
+])
+def test_parse_splits_refuses(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_splits(spec)
+
+
+@pytest.mark.parametrize("n", [1, 7, 65_535, 65_537, 200_001])
+def test_split_plan_exact_sizes_and_chunking_independent(n):
+    fractions = parse_splits("train=0.7,val=0.2,test=0.1")
+    plan = SplitPlan.make(fractions, n, seed=3)
+    whole = plan.assign(0, n)
+    counts = np.bincount(whole, minlength=3)
+    assert counts.sum() == n
+    assert dict(zip(plan.names, counts.tolist(), strict=True)) == plan.sizes
+    for name, frac in fractions.items():
+        assert abs(plan.sizes[name] - frac * n) < 1
+    # Any row range, from the slice of the plan a task is given, agrees with the whole.
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a = int(rng.integers(0, n))
+        b = int(rng.integers(a + 1, n + 1))
+        assert np.array_equal(plan.slice_for(a, b).assign(a, b), whole[a:b])
+
+
+def test_split_plan_depends_on_seed():
+    fractions = {"train": 0.5, "val": 0.5}
+    a = SplitPlan.make(fractions, 1000, seed=0).assign(0, 1000)
+    assert np.array_equal(a, SplitPlan.make(fractions, 1000, seed=0).assign(0, 1000))
+    assert not np.array_equal(a, SplitPlan.make(fractions, 1000, seed=1).assign(0, 1000))
+
+
+def test_statistics_merge_equals_numpy():
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((1000, 3)) * [1, 10, 100] + [5, -5, 1e4]
+    parts = [summary_of(data[a:b]) for a, b in [(0, 1), (1, 400), (400, 400), (400, 1000)]]
+    merged = merge_all(parts)
+    assert merged.count == 1000
+    np.testing.assert_allclose(merged.mean, data.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(merged.std, data.std(0), rtol=1e-10)
+    np.testing.assert_array_equal(merged.minimum, data.min(0))
+    np.testing.assert_array_equal(merged.maximum, data.max(0))
+
+
+def test_class_counts_merge():
+    labels = np.array([0, 2, 2, 5, 1, 0])
+    merged = merge_all([summary_of(labels[:2]), summary_of(labels[2:])])
+    assert merged.to_json()["class_counts"] == np.bincount(labels).tolist()
