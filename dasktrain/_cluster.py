@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 
 from distributed import Client, LocalCluster
@@ -80,5 +81,9 @@ def cluster_client(
         return
     options = default_local_cluster_options(n_workers, memory_limit)
     logger.info("starting a LocalCluster with %d worker(s)", options["n_workers"])
-    with LocalCluster(**options) as cluster, Client(cluster) as own:
+    with warnings.catch_warnings():
+        # Another cluster holding port 8787 only moves our (loopback) HTTP server elsewhere.
+        warnings.filterwarnings("ignore", message="Port .* is already in use")
+        cluster = LocalCluster(**options)
+    with cluster, Client(cluster) as own:
         yield own

@@ -26,10 +26,6 @@ from typing import Any
 import dask
 import numpy as np
 import zarr
-from distributed import Client
-
-from dasktrain._cluster import cluster_client
-from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.atomic import StagedDirectory, check_output_path
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
@@ -38,6 +34,10 @@ from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION, chunk_rows_for,
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
 from dasktrain.datasets.splits import SplitPlan
 from dasktrain.datasets.stats import Moments, merge_all, summary_of
+from distributed import Client
+
+from dasktrain._cluster import cluster_client
+from dasktrain._progress import gather_with_progress
 
 __all__ = ["prepare"]
 
@@ -168,8 +168,8 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_p
     specs = src.specs
     chunk_rows = config.chunk_rows or chunk_rows_for(
         row_bytes([(s.dtype, s.sample_shape) for s in specs.values()]), config.chunk_size)
-    chunk_rows = min(chunk_rows, src.num_samples)
     arrays = src.to_dask(chunk_rows)
+    chunk_rows = min(chunk_rows, src.num_samples)
     names = list(specs)
     starts = list(np.cumsum((0, *arrays[names[0]].chunks[0][:-1])).tolist())
     blocks = [arrays[name].to_delayed().ravel() for name in names]
@@ -305,13 +305,14 @@ def prepare(
     check_output_path(target, config.overwrite, _is_dataset)
     staged = StagedDirectory(target)
     try:
+        # The source checks its schema before a cluster starts: bad input fails fast.
+        source_options = SourceOptions(
+            features=config.features, target=config.target,
+            encode_categorical=config.encode_categorical, samples=config.samples,
+            width=config.width, classes=config.classes, noise=config.noise,
+            seed=config.seed, scratch_dir=str(staged.scratch / "source"))
+        src = get_source(source, source_options)
         with cluster_client(client, scheduler) as active:
-            source_options = SourceOptions(
-                features=config.features, target=config.target,
-                encode_categorical=config.encode_categorical, samples=config.samples,
-                width=config.width, classes=config.classes, noise=config.noise,
-                seed=config.seed, scratch_dir=str(staged.scratch / "source"))
-            src = get_source(source, source_options)
             root = zarr.open_group(str(staged.path), mode="w")
             attrs = _build(active, os.fspath(source), src, root, staged.scratch / "stage",
                            config, progress)

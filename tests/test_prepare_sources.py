@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from dasktrain.datasets.sources.synthetic import SyntheticSource
 
 import dasktrain as dt
-from dasktrain.datasets.sources.synthetic import SyntheticSource
 from tests.common.builders import write_npy_pair, write_table
 
 
@@ -123,7 +123,7 @@ def test_synthetic_independent_of_chunking(client, tmp_path, kind):
 
 
 def test_splits_exact_disjoint_and_deterministic(client, tmp_path):
-    xp, yp, x, y = write_npy_pair(tmp_path, rows=1000, width=3)
+    xp, yp, x, _y = write_npy_pair(tmp_path, rows=1000, width=3)
     spec = "train=0.7,val=0.2,test=0.1"
     ds = _prepare(client, xp, tmp_path / "s.zarr", target=str(yp), split=spec, seed=5,
                   chunk_rows=64)

@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 import dask.array as da
 import numpy as np
-
 from dasktrain.datasets.errors import SourceError
 
 __all__ = [
@@ -62,7 +61,7 @@ class Source(Protocol):
 
     #: ``{name: ArraySpec}`` in output order; all arrays share axis 0.
     specs: dict[str, ArraySpec]
-    #: Number of samples before cleaning.
+    #: Number of samples before cleaning (for sources that must count, known after to_dask).
     num_samples: int
     #: True when the source cannot hold NaN or infinities (cleaning pass skipped).
     known_finite: bool

@@ -9,7 +9,7 @@ import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
-
+import pyarrow.parquet as pq
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.base import (
     ArraySpec,
@@ -28,14 +28,23 @@ def _read(path: Path, suffix: str) -> dd.DataFrame:
         raise SourceError(f"{path} holds no {suffix} files")
     try:
         if suffix == ".csv":
-            if all(f.stat().st_size == 0 for f in files):
-                raise SourceError(f"{path} is empty: no header and no rows")
+            if not any(_csv_has_rows(f) for f in files):
+                raise SourceError(f"{path} is empty: no data rows")
             return dd.read_csv([str(f) for f in files], blocksize="32MiB")
+        if not any(pq.ParquetFile(f).metadata.num_rows for f in files):
+            raise SourceError(f"{path} is empty: no data rows")
         return dd.read_parquet([str(f) for f in files])
     except SourceError:
         raise
     except (ValueError, OSError, pd.errors.ParserError) as exc:
         raise SourceError(f"cannot read {path}: {exc}") from exc
+
+
+def _csv_has_rows(path: Path) -> bool:
+    try:
+        return len(pd.read_csv(path, nrows=1)) > 0
+    except pd.errors.EmptyDataError:
+        return False
 
 
 def _is_numeric(dtype: Any) -> bool:
@@ -97,22 +106,9 @@ class TabularSource:
                 f"{', '.join(str(df[c].dtype) for c in non_numeric)}); drop them with "
                 "--features or encode them with --encode-categorical"
             )
-        if non_numeric:
-            uniques = dd.compute(*[df[c].dropna().unique() for c in non_numeric])
-            categories = {c: sorted(map(str, u)) for c, u in zip(non_numeric, uniques, strict=True)}
-            df = df.map_partitions(_encode, categories)
-            if target in categories:
-                self.labels["y"] = categories[target]
-        rows_before = len(df)
-        df = df.dropna()
-        parts = df.to_dask_array(lengths=True)
-        self.num_samples = parts.shape[0]
-        if self.num_samples == 0:
-            raise SourceError(
-                f"{path} is empty: {rows_before} row(s), none complete in columns {chosen}"
-            )
-        self._x = parts[:, : len(features)]
-        self._y = parts[:, len(features)] if target else None
+        self._path, self._df, self._chosen, self._non_numeric = path, df, chosen, non_numeric
+        self._width, self._has_target = len(features), target is not None
+        self.num_samples = -1  # known once to_dask() has counted the complete rows
         self.specs = {"x": ArraySpec("features", np.dtype("float32"), (len(features),))}
         if target:
             # Integer columns and encoded categories are class labels; anything else a value.
@@ -120,14 +116,35 @@ class TabularSource:
             target_dtype = np.dtype("int64") if is_label else np.dtype("float64")
             self.specs["y"] = ArraySpec("targets", stored_dtype("targets", target_dtype), ())
         self.provenance = {"kind": "tabular", "path": str(path.resolve()), "features": features,
-                           "target": target, "encoded": non_numeric,
-                           "rows_read": int(rows_before),
-                           "rows_dropped_missing": int(rows_before - self.num_samples)}
+                           "target": target, "encoded": non_numeric}
 
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
-        out = {"x": self._x.rechunk({0: chunk_rows, 1: -1}).astype(np.float32)}
-        if self._y is not None:
-            out["y"] = self._y.rechunk({0: chunk_rows}).astype(self.specs["y"].dtype)
+        """Encode categories and count complete rows (passes over the table), then chunk."""
+        df = self._df
+        if self._non_numeric:
+            uniques = dd.compute(*[df[c].dropna().unique() for c in self._non_numeric])
+            categories = {c: sorted(map(str, u))
+                          for c, u in zip(self._non_numeric, uniques, strict=True)}
+            meta = df._meta.astype({c: "float64" for c in self._non_numeric})
+            df = df.map_partitions(_encode, categories, meta=meta)
+            target = self._chosen[-1]
+            if self._has_target and target in categories:
+                self.labels["y"] = categories[target]
+        complete = df.dropna()
+        # One pass counts rows read and rows kept per partition.
+        read_lengths, kept_lengths = dd.compute(df.map_partitions(len),
+                                                complete.map_partitions(len))
+        rows_read = int(sum(read_lengths))
+        parts = complete.to_dask_array(lengths=[int(n) for n in kept_lengths])
+        self.num_samples = int(parts.shape[0])
+        if self.num_samples == 0:
+            raise SourceError(f"{self._path} is empty: {rows_read} row(s), none complete in "
+                              f"columns {self._chosen}")
+        self.provenance.update(rows_read=rows_read,
+                               rows_dropped_missing=rows_read - self.num_samples)
+        out = {"x": parts[:, : self._width].rechunk({0: chunk_rows, 1: -1}).astype(np.float32)}
+        if self._has_target:
+            out["y"] = parts[:, self._width].rechunk({0: chunk_rows}).astype(self.specs["y"].dtype)
         return out
 
 

@@ -1,0 +1,150 @@
+"""The real ``dasktrain`` command in a subprocess: good runs, and every bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tests.common.builders import run_cli, write_npy_pair, write_table
+
+
+def _assert_user_error(result, *fragments: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sources")
+    _xp, _yp, _, _ = write_npy_pair(d, rows=50)
+    write_table(d / "t.csv", rows=40)
+    np.save(d / "short_y.npy", np.zeros(49, dtype=np.int64))
+    np.save(d / "empty.npy", np.zeros((0, 3), dtype=np.float32))
+    np.save(d / "strings.npy", np.array(["a", "b"]))
+    (d / "empty.csv").write_text("")
+    (d / "header_only.csv").write_text("a,b,label\n")
+    pd.DataFrame({"a": [1.0, 2.0], "city": ["Oslo", "Lima"]}).to_csv(d / "text.csv", index=False)
+    (d / "notes.txt").write_text("hello")
+    (d / "a_file").write_text("not a directory")
+    return d
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["prepare", "{d}/missing.npy", "{out}"], ["missing.npy", "neither a file"]),
+    (["prepare", "{d}/t.csv", "{out}", "--target", "nope"], ["no column 'nope'"]),
+    (["prepare", "{d}/t.csv", "{out}", "--features", "a,zz", "--target", "label"],
+     ["no column 'zz'"]),
+    (["prepare", "{d}/x.npy", "{out}", "--target", "{d}/short_y.npy"], ["mismatched lengths"]),
+    (["prepare", "{d}/empty.npy", "{out}"], ["empty"]),
+    (["prepare", "{d}/empty.csv", "{out}"], ["empty"]),
+    (["prepare", "{d}/header_only.csv", "{out}", "--target", "label"], ["empty"]),
+    (["prepare", "{d}/strings.npy", "{out}"], ["non-numeric"]),
+    (["prepare", "{d}/text.csv", "{out}"], ["non-numeric column 'city'",
+                                            "--encode-categorical"]),
+    (["prepare", "{d}/notes.txt", "{out}"], ["'.txt' are not supported"]),
+    (["prepare", "parabola", "{d}/a_file/out.zarr"], ["not a directory"]),
+    (["prepare", "parabola", "/proc/dasktrain-out.zarr"], ["/proc"]),
+    (["prepare", "parabola", "{out}", "--split", "train=0.9,val=0.2"], ["sum to"]),
+    (["prepare", "parabola", "{out}", "--chunk-size", "lots"], ["lots"]),
+    (["prepare", "parabola", "{out}", "--samples", "0"], ["samples must be positive"]),
+    (["prepare", "parabola", "{out}", "--scheduler", "tcp://127.0.0.1:1"], ["cannot reach"]),
+    (["prepare", "parabola"], ["required"]),
+    (["info", "{d}"], ["not a dasktrain dataset"]),
+    (["info", "{d}/nothing.zarr"], ["no dataset"]),
+    (["verify", "{d}/nothing.zarr"], ["no dataset"]),
+])
+def test_bad_input_is_one_line_and_exit_2(sources, tmp_path, args, fragments):
+    out = tmp_path / "out.zarr"
+    argv = [a.format(d=sources, out=out) for a in args]
+    _assert_user_error(run_cli(*argv), *fragments)
+    assert not out.exists()
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert leftovers == [], leftovers
+
+
+def test_existing_output_needs_overwrite_and_is_kept(tmp_path):
+    out = tmp_path / "p.zarr"
+    first = run_cli("prepare", "parabola", str(out), "--no-progress")
+    assert first.returncode == 0, first.stderr
+    before = (out / "zarr.json").read_bytes()
+    _assert_user_error(run_cli("prepare", "parabola", str(out), "--samples", "10"),
+                       "already exists", "--overwrite")
+    assert (out / "zarr.json").read_bytes() == before
+    again = run_cli("prepare", "parabola", str(out), "--samples", "10", "--overwrite",
+                    "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "zarr.json").read_text())["attributes"]["dasktrain"][
+        "num_samples"] == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.zarr"]
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_dataset(tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    _assert_user_error(run_cli("prepare", "parabola", str(precious), "--overwrite"),
+                       "not a dasktrain dataset")
+    assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_prepare_info_verify_happy_path(tmp_path):
+    out = tmp_path / "d.zarr"
+    result = run_cli("prepare", "digits", str(out), "--split", "train=0.8,val=0.2",
+                     "--normalize", "--chunk-rows", "500", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "train=1,438" in result.stdout and "val=359" in result.stdout
+    info = run_cli("info", str(out))
+    assert info.returncode == 0, info.stderr
+    for fragment in ("samples   1,797 in chunks of 500 rows", "codec=zstd", "compression",
+                     "normalized x (fitted on train)", "10 classes"):
+        assert fragment in info.stdout, info.stdout
+    verify = run_cli("verify", str(out), "--no-progress")
+    assert verify.returncode == 0, verify.stderr
+    assert "8 chunks read" in verify.stdout
+
+
+def test_verify_names_a_corrupt_chunk(tmp_path):
+    out = tmp_path / "d.zarr"
+    assert run_cli("prepare", "regression", str(out), "--samples", "3000", "--width", "4",
+                   "--chunk-rows", "1000", "--no-progress").returncode == 0
+    chunk = out / "x" / "c" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    result = run_cli("verify", str(out), "--no-progress")
+    assert result.returncode == 1
+    assert "array 'x' chunk 1 (rows 1000:2000) cannot be read" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_verify_catches_statistics_and_nan_tampering(tmp_path):
+    import zarr
+
+    out = tmp_path / "d.zarr"
+    assert run_cli("prepare", "regression", str(out), "--samples", "3000", "--width", "4",
+                   "--chunk-rows", "1000", "--no-progress").returncode == 0
+    group = zarr.open_group(str(out), mode="r+")
+    group["x"][2500, 2] = np.nan
+    result = run_cli("verify", str(out), "--no-progress")
+    assert result.returncode == 1
+    assert "array 'x' chunk 2 has 1 row(s) with NaN" in result.stderr
+    group["x"][2500, 2] = 1e6
+    result = run_cli("verify", str(out), "--no-progress")
+    assert result.returncode == 1
+    assert "array 'x': recorded mean does not match" in result.stderr
+
+
+def test_prepare_on_an_existing_cluster(client, tmp_path):
+    out = tmp_path / "r.zarr"
+    result = run_cli("prepare", "classification", str(out), "--samples", "5000", "--classes",
+                     "3", "--scheduler", client.scheduler.address, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "3 classes" in result.stdout
+    assert client.status == "running"  # the command disconnected, the cluster lives on
