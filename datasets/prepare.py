@@ -16,6 +16,7 @@ One task writes one output chunk, so no two tasks ever write the same chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import logging
@@ -73,9 +74,18 @@ def _finite_rows(blocks: dict[str, np.ndarray]) -> np.ndarray:
     return keep
 
 
+def _still_wanted(arrays: dict[str, zarr.Array]) -> None:
+    """Refuse to write into a build that was abandoned (cancelled, interrupted, discarded):
+    a task already running when the build was cancelled must not recreate its directory."""
+    root = getattr(next(iter(arrays.values())).store, "root", None)
+    if root is not None and not os.path.isdir(root):
+        raise RuntimeError(f"build directory {root} is gone; the preparation was abandoned")
+
+
 def _stage_chunk(scratch: dict[str, zarr.Array], start: int, plan: SplitPlan | None,
                  fit_split: int, fit_name: str | None, clean: bool, *blocks: np.ndarray
                  ) -> tuple[np.ndarray, Moments | None]:
+    _still_wanted(scratch)
     named = dict(zip(scratch, blocks, strict=True))
     n = len(blocks[0])
     keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
@@ -92,15 +102,23 @@ def _stage_chunk(scratch: dict[str, zarr.Array], start: int, plan: SplitPlan | N
 
 
 def _write_chunk(out: dict[str, zarr.Array], start: int, sources: list[Any],
-                 pieces: list[tuple[int, int]] | None, norm: dict[str, tuple]) -> dict:
+                 pieces: list[tuple[int, int]] | None, norm: dict[str, tuple],
+                 require_finite: bool = False) -> dict | None:
     """Write output rows from ``start``: ``sources`` are scratch arrays read by ``pieces``
-    (row ranges), or the source blocks themselves when ``pieces`` is None."""
+    (row ranges), or the source blocks themselves when ``pieces`` is None.
+
+    With ``require_finite``, a chunk holding NaN or infinities is not written and None is
+    returned: the caller then falls back to the cleaning (two-pass) build.
+    """
+    _still_wanted(out)
+    if pieces is None:
+        blocks = [np.asarray(source) for source in sources]
+    else:
+        blocks = [np.concatenate([source[a:b] for a, b in pieces]) for source in sources]
+    if require_finite and not _finite_rows(dict(zip(out, blocks, strict=True))).all():
+        return None
     summaries = {}
-    for (name, target), source in zip(out.items(), sources, strict=True):
-        if pieces is None:
-            block = np.asarray(source)
-        else:
-            block = np.concatenate([source[a:b] for a, b in pieces])
+    for (name, target), block in zip(out.items(), blocks, strict=True):
         if name in norm:
             mean, std = norm[name]
             block = ((block - mean) / std).astype(target.dtype)
@@ -138,8 +156,8 @@ def _layout(counts: np.ndarray, starts: list[int], chunk_rows: int) -> list[list
 
 
 def _provenance(source: str, src: Source, config: PrepareConfig) -> dict[str, Any]:
-    options = {k: v for k, v in config.__class__.__dataclass_fields__.items()}
-    options = {k: getattr(config, k) for k in options if k != "overwrite"}
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if f.name != "overwrite"}
     versions = {}
     for package in ("dasktrain", "dask", "distributed", "zarr", "numpy"):
         try:
@@ -163,6 +181,75 @@ def _is_dataset(path: Path) -> bool:
     return True
 
 
+def _write_direct(client: Client, src: Source, root: zarr.Group, blocks: list, starts: list[int],
+                  chunk_rows: int, config: PrepareConfig, progress: bool) -> list | None:
+    """One pass: source chunk i becomes output chunk i. A source that may hold NaN/inf is
+    checked chunk by chunk; if any chunk does, the arrays are dropped and None returned."""
+    out = _create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
+    tasks = [dask.delayed(_write_chunk)(out, start, [b[i] for b in blocks], None, {},
+                                        not src.known_finite)
+             for i, start in enumerate(starts)]
+    results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+    if all(r is not None for r in results):
+        return results
+    logger.info("source holds NaN or infinite values: cleaning in two passes")
+    for name in out:
+        del root[name]
+    return None
+
+
+def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, blocks: list,
+                  starts: list[int], lengths: list[int], chunk_rows: int, scratch_path: Path,
+                  plan: SplitPlan | None, config: PrepareConfig, progress: bool
+                  ) -> tuple[list, np.ndarray, dict | None]:
+    """Two passes through a scratch Zarr: clean and group rows by split, then write."""
+    specs = src.specs
+    names = list(specs)
+    scratch_root = zarr.open_group(str(scratch_path), mode="w")
+    scratch = {
+        name: scratch_root.create_array(
+            name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
+            chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0)
+        for name, spec in specs.items()
+    }
+    features = [n for n in names if specs[n].role == "features"]
+    fit_name = features[0] if config.normalize and features else None
+    tasks = [
+        dask.delayed(_stage_chunk)(
+            scratch, start, plan.slice_for(start, start + n) if plan else None,
+            0, fit_name, not src.known_finite, *[blk[i] for blk in blocks])
+        for i, (start, n) in enumerate(zip(starts, lengths, strict=True))
+    ]
+    staged = gather_with_progress(client, client.compute(tasks), "staging", progress)
+    counts = np.stack([c for c, _ in staged])
+    num_samples = int(counts.sum())
+    if num_samples == 0:
+        raise SourceError(f"source {source!r} has no finite rows: all {src.num_samples} dropped")
+    if plan is not None:
+        empty = [name for name, size in zip(plan.names, counts.sum(axis=0), strict=True)
+                 if size == 0]
+        if empty:
+            raise SourceError(
+                f"split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} would be "
+                f"empty with {num_samples} samples; use larger fractions or more data"
+            )
+    norm, normalization = {}, None
+    if fit_name is not None:
+        fit = merge_all([m for _, m in staged])
+        std = np.where(fit.std > 0, fit.std, 1.0)
+        norm[fit_name] = (fit.mean.astype(np.float32), std.astype(np.float32))
+        normalization = {fit_name: {
+            "mean": fit.mean.tolist(), "std": std.tolist(), "count": fit.count,
+            "fitted_on": plan.names[0] if plan else "all"}}
+    out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
+    scratch_list = [scratch[n] for n in names]
+    tasks = [dask.delayed(_write_chunk, pure=False)(out, j * chunk_rows, scratch_list,
+                                                    pieces, norm)
+             for j, pieces in enumerate(_layout(counts, starts, chunk_rows))]
+    results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+    return results, counts, normalization
+
+
 def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_path: Path,
            config: PrepareConfig, progress: bool) -> dict[str, Any]:
     specs = src.specs
@@ -171,83 +258,38 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_p
     arrays = src.to_dask(chunk_rows)
     chunk_rows = min(chunk_rows, src.num_samples)
     names = list(specs)
-    starts = list(np.cumsum((0, *arrays[names[0]].chunks[0][:-1])).tolist())
+    lengths = list(arrays[names[0]].chunks[0])
+    starts = list(np.cumsum((0, *lengths[:-1])).tolist())
     blocks = [arrays[name].to_delayed().ravel() for name in names]
-    features = [n for n in names if specs[n].role == "features"]
-    fractions = config.split or {}
-    plan = SplitPlan.make(fractions, src.num_samples, config.seed) if fractions else None
-    split_names = list(plan.names) if plan else []
-    attrs: dict[str, Any] = {"normalization": None}
+    plan = (SplitPlan.make(config.split, src.num_samples, config.seed) if config.split
+            else None)
 
-    if src.known_finite and plan is None and not config.normalize:
-        out = _create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
-        tasks = [dask.delayed(_write_chunk)(out, start, [b[i] for b in blocks], None, {})
-                 for i, start in enumerate(starts)]
-        results = gather_with_progress(client, client.compute(tasks), "writing", progress)
-        num_samples, dropped, sizes = src.num_samples, 0, {}
-    else:
-        scratch_root = zarr.open_group(str(scratch_path), mode="w")
-        scratch = {
-            name: scratch_root.create_array(
-                name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
-                chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0)
-            for name, spec in specs.items()
-        }
-        fit_name = features[0] if config.normalize and features else None
-        tasks = [
-            dask.delayed(_stage_chunk)(
-                scratch, start, plan.slice_for(start, start + b) if plan else None,
-                0, fit_name, not src.known_finite, *[blk[i] for blk in blocks])
-            for i, (start, b) in enumerate(
-                zip(starts, arrays[names[0]].chunks[0], strict=True))
-        ]
-        staged = gather_with_progress(client, client.compute(tasks), "staging", progress)
-        counts = np.stack([c for c, _ in staged])
+    results = None
+    if plan is None and not config.normalize:
+        results = _write_direct(client, src, root, blocks, starts, chunk_rows, config, progress)
+    normalization, splits = None, {}
+    num_samples = src.num_samples
+    if results is None:
+        results, counts, normalization = _write_staged(
+            client, source, src, root, blocks, starts, lengths, chunk_rows, scratch_path, plan,
+            config, progress)
         num_samples = int(counts.sum())
-        dropped = src.num_samples - num_samples
-        if num_samples == 0:
-            raise SourceError(f"source {source!r} has no finite rows: all {dropped} dropped")
-        sizes = dict(zip(split_names, counts.sum(axis=0).tolist(), strict=True)) if plan else {}
-        empty = [name for name, size in sizes.items() if size == 0]
-        if empty:
-            raise SourceError(
-                f"split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} would be "
-                f"empty with {num_samples} samples; use larger fractions or more data"
-            )
-        norm = {}
-        if fit_name is not None:
-            fit = merge_all([m for _, m in staged])
-            std = np.where(fit.std > 0, fit.std, 1.0)
-            norm[fit_name] = (fit.mean.astype(np.float32), std.astype(np.float32))
-            attrs["normalization"] = {fit_name: {
-                "mean": fit.mean.tolist(), "std": std.tolist(), "count": fit.count,
-                "fitted_on": split_names[0] if split_names else "all"}}
-        out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
-        layout = _layout(counts, starts, chunk_rows)
-        scratch_list = [scratch[n] for n in names]
-        tasks = [dask.delayed(_write_chunk, pure=False)(out, j * chunk_rows, scratch_list,
-                                                        pieces, norm)
-                 for j, pieces in enumerate(layout)]
-        results = gather_with_progress(client, client.compute(tasks), "writing", progress)
-
-    stats = {name: merge_all([r[name] for r in results]).to_json() for name in names}
-    splits, offset = {}, 0
-    for name, size in sizes.items():
-        splits[name] = [offset, offset + size]
-        offset += size
-    attrs.update({
+        if plan is not None:
+            edges = np.cumsum([0, *counts.sum(axis=0).tolist()]).tolist()
+            splits = {name: [edges[k], edges[k + 1]] for k, name in enumerate(plan.names)}
+    return {
         "format_version": FORMAT_VERSION,
         "num_samples": num_samples,
         "chunk_rows": chunk_rows,
         "arrays": {n: {"role": specs[n].role, "dtype": str(specs[n].dtype),
                        "shape": [num_samples, *specs[n].sample_shape]} for n in names},
-        "stats": stats,
+        "stats": {name: merge_all([r[name] for r in results]).to_json() for name in names},
+        "normalization": normalization,
         "splits": splits,
         "labels": src.labels,
-        "rows_dropped_nonfinite": dropped,
+        "rows_dropped_nonfinite": src.num_samples - num_samples,
         "provenance": _provenance(source, src, config),
-    })
-    return attrs
+    }
 
 
 def prepare(

@@ -30,14 +30,20 @@ class Moments:
     @classmethod
     def of(cls, block: np.ndarray) -> Moments:
         """Moments of a block of shape (rows, *feature_shape)."""
-        values = np.asarray(block, dtype=np.float64)
-        shape = values.shape[1:]
-        if len(values) == 0:
+        block = np.asarray(block)
+        shape = block.shape[1:]
+        if len(block) == 0:
             inf = np.full(shape, np.inf)
             return cls(0, np.zeros(shape), np.zeros(shape), inf, -inf)
+        flat = block.reshape(len(block), -1)
+        # Deviations in float64 (one copy, centred in place); einsum avoids a squared temporary.
+        values = flat.astype(np.float64)
         mean = values.mean(axis=0)
-        return cls(len(values), mean, ((values - mean) ** 2).sum(axis=0),
-                   values.min(axis=0), values.max(axis=0))
+        values -= mean
+        m2 = np.einsum("ij,ij->j", values, values)
+        return cls(len(block), mean.reshape(shape), m2.reshape(shape),
+                   flat.min(axis=0).astype(np.float64).reshape(shape),
+                   flat.max(axis=0).astype(np.float64).reshape(shape))
 
     def merge(self, other: Moments) -> Moments:
         if other.count == 0:
