@@ -15,7 +15,6 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
-from tests.common.builders import run_cli
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:

@@ -1,0 +1,45 @@
+"""The wheel holds every subpackage and works from outside the repository."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+
+from tests.common.builders import REPO
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_imports_outside_the_repo(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(wheels), str(REPO)], check=True, timeout=300)
+    (wheel,) = wheels.glob("dasktrain-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("dasktrain/cli.py", "dasktrain/datasets/prepare.py",
+                   "dasktrain/datasets/sources/tabular.py", "dasktrain/pipeline/__init__.py",
+                   "dasktrain/trainer/__init__.py"):
+        assert module in names, module
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                   check=True, timeout=300)
+    # Dependencies come from the test environment; dasktrain itself only from the wheel.
+    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    code = ("import dasktrain, dasktrain.datasets.sources, sys; "
+            "print(dasktrain.__file__); print(dasktrain.__version__)")
+    shown = subprocess.run([str(python), "-c", code], cwd=tmp_path, env=env, check=True,
+                           capture_output=True, text=True, timeout=120).stdout.split()
+    assert shown[0].startswith(str(venv)), shown
+    assert shown[1] == "0.1.0"
+    result = subprocess.run([str(venv / "bin" / "dasktrain"), "prepare", "parabola",
+                             str(tmp_path / "p.zarr"), "--no-progress"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "samples   50" in result.stdout
