@@ -13,6 +13,7 @@ from dasktrain.datasets import (
     prepare,
     verify,
 )
+from dasktrain.pipeline import EpochPlan, Pipeline, PipelineError
 
 try:
     __version__ = version("dasktrain")
@@ -22,6 +23,9 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "Dataset",
     "DatasetError",
+    "EpochPlan",
+    "Pipeline",
+    "PipelineError",
     "PrepareConfig",
     "SourceError",
     "VerifyReport",

@@ -1,0 +1,364 @@
+"""``Pipeline``: batches planned on the consumer, produced by Dask tasks, prefetched with a
+bound, handed over as torch tensors."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from typing import Any
+
+import numpy as np
+import torch
+from dask.base import tokenize
+from dasktrain.datasets import Dataset, open_dataset
+from dasktrain.pipeline.errors import PipelineError
+from dasktrain.pipeline.plan import EpochPlan, Unit
+from dasktrain.pipeline.stats import PipelineStats
+from dasktrain.pipeline.tasks import (
+    ArraysRef,
+    BlockFailed,
+    Transform,
+    assemble_batches,
+    load_window,
+)
+from distributed import Client, Future, get_client, get_worker
+from distributed.client import FutureCancelledError
+
+from dasktrain._cluster import default_local_cluster_options
+
+__all__ = ["Pipeline"]
+
+logger = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor] | torch.Tensor | dict[str, torch.Tensor]
+_PLACEMENTS = ("anywhere", "local")
+_STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
+               "shuffle_blocks", "block_rows", "drop_last")
+
+
+def _own_cluster() -> tuple[Client, weakref.finalize]:
+    from distributed import LocalCluster
+
+    cluster = LocalCluster(**default_local_cluster_options())
+    client = Client(cluster)
+
+    def close() -> None:
+        client.close()
+        cluster.close()
+
+    return client, weakref.finalize(client, close)
+
+
+class Pipeline:
+    """Batches of a dataset (or split), produced on a Dask cluster while you train.
+
+    Use it like a DataLoader: ``for x, y in pipeline: ...`` runs one epoch and moves on to the
+    next epoch the next time it is iterated.
+
+    Parameters
+    ----------
+    data
+        A :class:`~dasktrain.Dataset` (e.g. ``ds.split("train")``) or a dataset path.
+    batch_size
+        Samples per batch, per rank (as in DDP).
+    shuffle
+        Permute blocks each epoch and shuffle rows within windows of ``shuffle_blocks``
+        blocks. With False, batches follow the stored order.
+    seed
+        Seeds every random choice together with the epoch: same seed, same batches.
+    transform
+        ``transform(arrays, rng) -> arrays``: a function of a dict of numpy arrays (a block of
+        rows, keyed by array name) and a :class:`numpy.random.Generator` seeded from
+        (seed, epoch, block). It runs in Dask tasks on the workers and must keep the number
+        of rows. Pure functions only: it may run more than once for a block.
+    prefetch
+        Windows of blocks in flight for this consumer: memory held for it is at most about
+        ``prefetch x shuffle_blocks x block_rows`` rows, however large the dataset.
+    shuffle_blocks
+        Blocks per shuffle window; larger mixes better and costs more memory.
+    block_rows
+        Rows read and transformed by one task (default: the dataset's chunk rows). Size it
+        for about 0.1-1 s of work per task.
+    drop_last
+        Drop the last global batch if it is partial.
+    rank, world_size
+        This consumer's part of each epoch: global batches ``rank, rank + world_size, ...``.
+    device
+        Where batches land (``"cuda"``: pinned memory and non-blocking copies); default CPU.
+    client
+        The Dask client to use; default: the current one, else a LocalCluster owned by the
+        pipeline (closed by :meth:`close`).
+    placement
+        ``"anywhere"`` (default) or ``"local"``: run the tasks on the consumer's own worker.
+    as_dict
+        Yield dicts of tensors keyed by array name instead of ``(x, y)``.
+    timeout
+        Seconds to wait for one block before failing with a clear error.
+    """
+
+    def __init__(
+        self,
+        data: Dataset | str | os.PathLike,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        transform: Transform | None = None,
+        prefetch: int = 4,
+        shuffle_blocks: int = 1,
+        block_rows: int | None = None,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device | None = None,
+        client: Client | None = None,
+        placement: str = "anywhere",
+        as_dict: bool = False,
+        timeout: float = 300.0,
+    ) -> None:
+        self.dataset = data if isinstance(data, Dataset) else open_dataset(data)
+        n = len(self.dataset)
+        checks = [
+            (isinstance(batch_size, int) and batch_size > 0,
+             f"batch_size must be a positive integer, got {batch_size!r}"),
+            (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0,
+             f"seed must be a non-negative integer, got {seed!r}"),
+            (isinstance(prefetch, int) and prefetch >= 1,
+             f"prefetch must be >= 1, got {prefetch!r}"),
+            (isinstance(shuffle_blocks, int) and shuffle_blocks >= 1,
+             f"shuffle_blocks must be >= 1, got {shuffle_blocks!r}"),
+            (block_rows is None or (isinstance(block_rows, int) and block_rows > 0),
+             f"block_rows must be a positive integer, got {block_rows!r}"),
+            (isinstance(world_size, int) and world_size >= 1,
+             f"world_size must be >= 1, got {world_size!r}"),
+            (isinstance(rank, int) and 0 <= rank < max(world_size, 1),
+             f"rank must lie in [0, world_size={world_size}), got {rank!r}"),
+            (placement in _PLACEMENTS,
+             f"placement must be one of {_PLACEMENTS}, got {placement!r}"),
+            (timeout > 0, f"timeout must be positive, got {timeout!r}"),
+            (transform is None or callable(transform), "transform must be callable"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if batch_size > n:
+            raise ValueError(f"batch_size {batch_size} is larger than the {n} samples of "
+                             f"{self.dataset!r}; use a smaller batch or more data")
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.transform = transform
+        self.prefetch = prefetch
+        self.shuffle_blocks = shuffle_blocks
+        self.block_rows = block_rows or self.dataset.chunk_rows
+        self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.placement = placement
+        self.as_dict = as_dict
+        self.timeout = float(timeout)
+        self.stats = PipelineStats()
+        self._client = client
+        self._finalizer: weakref.finalize | None = None
+        self._epoch = 0
+        self._position = 0  # batches of the current epoch already handed to the consumer
+        names = tuple(self.dataset.array_names)
+        self._ref = ArraysRef(names, tuple(self.dataset.zarr_array(n) for n in names))
+        self._token = tokenize(self.dataset.url, self.dataset.start, self.dataset.stop, names,
+                               self.block_rows, self.batch_size, seed, shuffle, shuffle_blocks,
+                               drop_last, transform)
+
+    # -- the plan ----------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration yields (or is yielding)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at the beginning of ``epoch``."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be non-negative, got {epoch}")
+        self._epoch, self._position = epoch, 0
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """The epoch's plan (pure: the same for every rank, worker count and run)."""
+        return EpochPlan(self.dataset.start, self.dataset.stop, self.block_rows,
+                         self.batch_size, self.seed, self._epoch if epoch is None else epoch,
+                         self.shuffle, self.shuffle_blocks, self.drop_last)
+
+    def __len__(self) -> int:
+        return len(self.plan().rank_batches(self.rank, self.world_size))
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the consumer is: resume with :meth:`load_state_dict` for the same batches."""
+        return {"epoch": self._epoch, "position": self._position, "seed": self.seed,
+                "batch_size": self.batch_size, "world_size": self.world_size,
+                "rank": self.rank, "num_samples": len(self.dataset), "shuffle": self.shuffle,
+                "shuffle_blocks": self.shuffle_blocks, "block_rows": self.block_rows,
+                "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next batches are those an uninterrupted run yields.
+
+        A different ``world_size``/``rank`` is accepted at an epoch boundary (position 0) —
+        the next epoch is re-sharded — but not mid-epoch.
+        """
+        mine = self.state_dict()
+        for key in _STATE_KEYS:
+            if key in ("world_size", "rank") and state.get("position", 0) == 0:
+                continue
+            if state.get(key) != mine[key]:
+                raise ValueError(f"cannot resume: the state has {key}={state.get(key)!r}, this "
+                                 f"pipeline {key}={mine[key]!r}")
+        self._epoch, self._position = int(state["epoch"]), int(state["position"])
+
+    # -- the cluster -------------------------------------------------------------------
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            try:
+                self._client = get_client()
+            except ValueError:
+                logger.info("no Dask client: starting a LocalCluster for this pipeline")
+                self._client, self._finalizer = _own_cluster()
+        return self._client
+
+    def close(self) -> None:
+        """Close the LocalCluster this pipeline started, if it started one."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+            self._client = None
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _submit_kwargs(self) -> dict[str, Any]:
+        if self.placement == "local":
+            try:
+                return {"workers": [get_worker().address], "allow_other_workers": False}
+            except ValueError:
+                raise PipelineError("placement='local' needs the consumer to run on a Dask "
+                                    "worker (e.g. inside a trainer task)") from None
+        return {}
+
+    def _submit(self, plan: EpochPlan, unit: Unit, windows: dict[int, Future]) -> Future:
+        client, kwargs = self.client, self._submit_kwargs()
+        for w in unit.windows:
+            if w not in windows:
+                windows[w] = client.submit(
+                    load_window, self._ref, plan, w, self.transform,
+                    key=f"dasktrain-window-{self._token}-{plan.epoch}-{w}", **kwargs)
+        return client.submit(
+            assemble_batches, unit.pieces, unit.windows, *[windows[w] for w in unit.windows],
+            key=f"dasktrain-batches-{self._token}-{plan.epoch}-{self.rank}of"
+                f"{self.world_size}-{unit.window}", **kwargs)
+
+    def _result(self, future: Future, unit: Unit, epoch: int) -> list[dict[str, np.ndarray]]:
+        """Wait for a unit with a deadline, checking that the cluster still has workers."""
+        deadline = time.monotonic() + self.timeout
+        blocks = [b for w in unit.windows for b in self.plan(epoch).windows[w]]
+        where = f"block(s) {blocks} of epoch {epoch}"
+        while True:
+            try:
+                return future.result(timeout=min(2.0, max(deadline - time.monotonic(), 0.01)))
+            except BlockFailed as exc:
+                raise PipelineError(exc.args[0]) from exc.original
+            except (TimeoutError, OSError) as exc:
+                if self.client.status not in ("running", "connecting"):
+                    raise PipelineError(f"the Dask client closed while waiting for {where}") \
+                        from exc
+                if time.monotonic() >= deadline:
+                    workers = len(self.client.scheduler_info().get("workers", {}))
+                    raise PipelineError(f"no data for {where} after {self.timeout:.0f}s "
+                                        f"({workers} worker(s) alive)") from exc
+            except (CancelledError, FutureCancelledError) as exc:
+                raise PipelineError(f"the task for {where} was cancelled") from exc
+            except PipelineError:
+                raise
+            except Exception as exc:  # KilledWorker and anything the cluster raised
+                raise PipelineError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+
+    # -- iteration ---------------------------------------------------------------------
+    def _convert(self, arrays: dict[str, np.ndarray]) -> Batch:
+        tensors = {}
+        for name, value in arrays.items():
+            if not value.flags.writeable:  # torch wants writable memory; deserialised may not be
+                value = value.copy()
+            tensor = torch.from_numpy(value)
+            if self.device.type == "cuda":
+                tensor = tensor.pin_memory().to(self.device, non_blocking=True)
+            elif self.device.type != "cpu":
+                tensor = tensor.to(self.device)
+            tensors[name] = tensor
+        if self.as_dict:
+            return tensors
+        x = tensors[self.dataset.features_name]
+        target = self.dataset.targets_name
+        return x if target is None else (x, tensors[target])
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch, skip = self._epoch, self._position
+        plan = self.plan(epoch)
+        units = plan.units(self.rank, self.world_size)
+        while units and skip >= len(units[0].batches):  # resume: whole units already consumed
+            skip -= len(units[0].batches)
+            units.pop(0)
+        stats = self.stats
+        stats.start_epoch()
+        pending: collections.deque[tuple[Unit, Future]] = collections.deque()
+        upcoming = iter(units)
+        windows: dict[int, Future] = {}
+
+        def top_up() -> None:
+            while len(pending) < self.prefetch:
+                unit = next(upcoming, None)
+                if unit is None:
+                    break
+                pending.append((unit, self._submit(plan, unit, windows)))
+                # Keep a window's future only while a later unit may still need it; the
+                # scheduler keeps it for the submitted batch tasks that depend on it.
+                for w in [w for w in windows if w < unit.window]:
+                    del windows[w]
+            stats.set_in_flight(len(pending))
+
+        try:
+            top_up()
+            while pending:
+                started = time.perf_counter()
+                unit, future = pending[0]
+                batches = self._result(future, unit, epoch)
+                pending.popleft()
+                top_up()
+                stats.blocks_done += 1
+                for arrays in batches[skip:]:
+                    batch = self._convert(arrays)
+                    rows = len(next(iter(arrays.values())))
+                    stats.record_batch(time.perf_counter() - started, rows,
+                                       sum(a.nbytes for a in arrays.values()))
+                    self._position += 1
+                    yield batch
+                    started = time.perf_counter()
+                skip = 0
+        finally:
+            for _, future in pending:
+                future.release()
+            pending.clear()
+            windows.clear()
+            stats.set_in_flight(0)
+        stats.finished = time.perf_counter()
+        self._epoch, self._position = epoch + 1, 0
+
+    def __repr__(self) -> str:
+        return (f"<dasktrain.Pipeline {self.dataset!r} batch_size={self.batch_size} "
+                f"epoch={self._epoch} rank={self.rank}/{self.world_size}>")
