@@ -1,6 +1,8 @@
 """dasktrain: train PyTorch models on Zarr datasets larger than memory, on a Dask cluster."""
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from dasktrain.datasets import (
     Dataset,
@@ -13,12 +15,26 @@ from dasktrain.datasets import (
     prepare,
     verify,
 )
-from dasktrain.pipeline import EpochPlan, Pipeline, PipelineError
 
 try:
     __version__ = version("dasktrain")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
+
+# Names whose modules import torch load on first use: preparing or inspecting a dataset (and
+# every Dask worker that only runs preparation tasks) never pays for importing torch.
+_LAZY = {
+    "EpochPlan": "dasktrain.pipeline",
+    "Pipeline": "dasktrain.pipeline",
+    "PipelineError": "dasktrain.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dasktrain' has no attribute {name!r}")
+
 
 __all__ = [
     "Dataset",

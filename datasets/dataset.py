@@ -8,6 +8,7 @@ from typing import Any
 
 import dask.array as da
 import zarr
+
 from dasktrain.datasets.errors import DatasetError
 from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION
 

@@ -9,13 +9,13 @@ from typing import Any
 import dask
 import numpy as np
 import zarr
-from dasktrain.datasets.dataset import Dataset, open_dataset
-from dasktrain.datasets.errors import DatasetError
-from dasktrain.datasets.stats import merge_all, summary_of
 from distributed import Client
 
 from dasktrain._cluster import cluster_client
 from dasktrain._progress import gather_with_progress
+from dasktrain.datasets.dataset import Dataset, open_dataset
+from dasktrain.datasets.errors import DatasetError
+from dasktrain.datasets.stats import merge_all, summary_of
 
 __all__ = ["VerifyReport", "describe", "verify"]
 

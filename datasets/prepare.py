@@ -27,6 +27,10 @@ from typing import Any
 import dask
 import numpy as np
 import zarr
+from distributed import Client
+
+from dasktrain._cluster import cluster_client
+from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.atomic import StagedDirectory, check_output_path
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
@@ -35,10 +39,6 @@ from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION, chunk_rows_for,
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
 from dasktrain.datasets.splits import SplitPlan
 from dasktrain.datasets.stats import Moments, merge_all, summary_of
-from distributed import Client
-
-from dasktrain._cluster import cluster_client
-from dasktrain._progress import gather_with_progress
 
 __all__ = ["prepare"]
 

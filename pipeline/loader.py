@@ -15,6 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 from dask.base import tokenize
+from distributed import Client, Future, get_client, get_worker
+from distributed.client import FutureCancelledError
+
+from dasktrain._cluster import default_local_cluster_options
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.plan import EpochPlan, Unit
@@ -26,10 +30,6 @@ from dasktrain.pipeline.tasks import (
     assemble_batches,
     load_window,
 )
-from distributed import Client, Future, get_client, get_worker
-from distributed.client import FutureCancelledError
-
-from dasktrain._cluster import default_local_cluster_options
 
 __all__ = ["Pipeline"]
 

@@ -115,6 +115,16 @@ class EpochPlan:
         """Seed of the RNG a transform gets for ``block`` in this epoch."""
         return [self.seed, self.epoch, 2, block]
 
+    def sample_order(self) -> np.ndarray:
+        """Absolute row of every position of the global sequence (O(samples) memory: for
+        tests and inspection, never needed to iterate)."""
+        parts = []
+        for w, blocks in enumerate(self.windows):
+            rows = np.concatenate([np.arange(*self.block_range(b)) for b in blocks])
+            order = self.window_permutation(w)
+            parts.append(rows if order is None else rows[order])
+        return np.concatenate(parts)
+
     def batch_pieces(self, batch: int) -> tuple[Piece, ...]:
         """Where global batch ``batch``'s rows lie, window by window."""
         g0 = batch * self.batch_size

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+
 from dasktrain.pipeline.plan import EpochPlan, Piece
 
 __all__ = ["BlockFailed", "Transform", "assemble_batches", "load_window"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from dasktrain.datasets.format import chunk_rows_for, parse_size
 from dasktrain.datasets.splits import SplitPlan, parse_splits
 from dasktrain.datasets.stats import merge_all, summary_of

@@ -113,7 +113,7 @@ def _peak_rss() -> int:
 
 @pytest.mark.slow
 def test_dataset_several_times_worker_memory_prepares_in_bounded_memory(tmp_path):
-    """~760 MB through one worker limited to 320 MiB, in the two-pass (split) path.
+    """~1 GB (3x the limit) through one worker limited to 320 MiB, in the two-pass path.
 
     A quarter-size run first sets the worker's peak; four times the data must not raise it
     by more than a few chunks' worth, and the nanny must never have killed the worker.
@@ -125,11 +125,11 @@ def test_dataset_several_times_worker_memory_prepares_in_bounded_memory(tmp_path
         pid_before = client.run(os.getpid)
         options = {"client": client, "progress": False, "width": 32,
                    "split": "train=0.9,val=0.1"}
-        dt.prepare("regression", tmp_path / "small.zarr", samples=1_450_000, **options)
+        dt.prepare("regression", tmp_path / "small.zarr", samples=1_925_000, **options)
         (small_peak,) = client.run(_peak_rss).values()
-        ds = dt.prepare("regression", tmp_path / "m.zarr", samples=5_800_000, **options)
+        ds = dt.prepare("regression", tmp_path / "m.zarr", samples=7_700_000, **options)
         (big_peak,) = client.run(_peak_rss).values()
         assert client.run(os.getpid) == pid_before  # never killed and restarted
     size = ds.x.nbytes + ds.y.nbytes
-    assert size > 2.2 * limit
+    assert size > 3 * limit
     assert big_peak - small_peak < 64 * 2**20, (small_peak / 2**20, big_peak / 2**20)

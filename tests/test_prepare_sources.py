@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from dasktrain.datasets.sources.synthetic import SyntheticSource
 
 import dasktrain as dt
+from dasktrain.datasets.sources.synthetic import SyntheticSource
 from tests.common.builders import write_npy_pair, write_table
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
+
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.base import (
     ArraySpec,

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import dask.array as da
 import numpy as np
+
 from dasktrain.datasets.errors import SourceError
 
 __all__ = [

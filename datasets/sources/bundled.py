@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dask.array as da
 import numpy as np
+
 from dasktrain.datasets.sources.base import ArraySpec, SourceOptions, register_builtin
 
 __all__ = ["DigitsSource"]

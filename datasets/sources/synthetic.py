@@ -12,6 +12,7 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
+
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.base import ArraySpec, SourceOptions, register_builtin
 

@@ -10,6 +10,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
+
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.base import (
     ArraySpec,

@@ -1,0 +1,21 @@
+"""Datasets whose samples say who they are: feature 0 and the target are the row index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+import dasktrain as dt
+
+
+def indexed_dataset(client, directory: Path, rows: int, width: int = 3,
+                    chunk_rows: int = 100, split: str | None = None) -> dt.Dataset:
+    x = np.zeros((rows, width), dtype=np.float32)
+    x[:, 0] = np.arange(rows)
+    x[:, 1:] = np.random.default_rng(0).standard_normal((rows, width - 1))
+    np.save(directory / "x.npy", x)
+    np.save(directory / "y.npy", np.arange(rows, dtype=np.int64))
+    return dt.prepare(directory / "x.npy", directory / "indexed.zarr", client=client,
+                      target=str(directory / "y.npy"), chunk_rows=chunk_rows, split=split,
+                      progress=False)

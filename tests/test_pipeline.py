@@ -1,0 +1,252 @@
+"""The pipeline on a real cluster over real Zarr: order, resume, augmentation, bounds, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dasktrain as dt
+from tests.common.data import indexed_dataset
+
+
+@pytest.fixture(scope="module")
+def indexed(client, tmp_path_factory):
+    # 1,003 samples: no batch size or world size below divides it evenly.
+    return indexed_dataset(client, tmp_path_factory.mktemp("indexed"), rows=1003,
+                           chunk_rows=100)
+
+
+def _ids(pipe: dt.Pipeline) -> list[np.ndarray]:
+    return [y.numpy() for _, y in pipe]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_sample_exactly_once_and_global_order_fixed(client, indexed, world_size):
+    common = {"batch_size": 32, "seed": 7, "block_rows": 64, "shuffle_blocks": 2,
+              "client": client}
+    single = _ids(dt.Pipeline(indexed, **common))
+    ranks = [_ids(dt.Pipeline(indexed, rank=r, world_size=world_size, **common))
+             for r in range(world_size)]
+    seen = np.concatenate([b for rank in ranks for b in rank])
+    assert sorted(seen.tolist()) == list(range(1003))
+    interleaved = [ranks[r][k] for k in range(len(ranks[0])) for r in range(world_size)
+                   if k < len(ranks[r])]
+    assert len(interleaved) == len(single)
+    for got, want in zip(interleaved, single, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_batches_match_the_stored_rows(client, indexed):
+    pipe = dt.Pipeline(indexed, batch_size=50, seed=1, client=client)
+    for x, y in pipe:
+        assert x.dtype == torch.float32 and y.dtype == torch.int64
+        np.testing.assert_array_equal(x[:, 0].numpy(), y.numpy().astype(np.float32))
+        np.testing.assert_array_equal(x.numpy(), indexed.x.compute()[y.numpy()])
+
+
+def test_order_does_not_depend_on_cluster_size(client, indexed):
+    common = {"batch_size": 40, "seed": 3, "block_rows": 50, "shuffle_blocks": 3}
+    here = _ids(dt.Pipeline(indexed, client=client, **common))
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as small:
+        there = _ids(dt.Pipeline(indexed, client=small, **common))
+    for a, b in zip(here, there, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_epochs_differ_and_advance(client, indexed):
+    pipe = dt.Pipeline(indexed, batch_size=100, seed=0, client=client)
+    first = np.concatenate(_ids(pipe))
+    assert pipe.epoch == 1
+    second = np.concatenate(_ids(pipe))
+    assert not np.array_equal(first, second)
+    pipe.set_epoch(0)
+    np.testing.assert_array_equal(np.concatenate(_ids(pipe)), first)
+
+
+def test_world_size_may_change_between_epochs(client, indexed):
+    common = {"batch_size": 32, "seed": 5, "client": client}
+    pipe = dt.Pipeline(indexed, **common)
+    list(pipe)  # epoch 0 with one rank
+    state = pipe.state_dict()
+    ranks = []
+    for r in range(3):
+        p = dt.Pipeline(indexed, rank=r, world_size=3, **common)
+        p.load_state_dict(state)  # at an epoch boundary: re-sharded, allowed
+        assert p.epoch == 1
+        ranks.append(np.concatenate(_ids(p)))
+    assert sorted(np.concatenate(ranks).tolist()) == list(range(1003))
+
+
+@pytest.mark.parametrize("stop_after", [1, 7, 15])
+def test_resume_mid_epoch_yields_the_same_batches(client, indexed, stop_after):
+    common = {"batch_size": 24, "seed": 11, "block_rows": 64, "shuffle_blocks": 2,
+              "client": client, "rank": 1, "world_size": 2}
+    uninterrupted = _ids(dt.Pipeline(indexed, **common))
+    pipe = dt.Pipeline(indexed, **common)
+    it = iter(pipe)
+    for _ in range(stop_after):
+        next(it)
+    state = pipe.state_dict()
+    it.close()
+    resumed = dt.Pipeline(indexed, **common)
+    resumed.load_state_dict(state)
+    rest = _ids(resumed)
+    assert len(rest) == len(uninterrupted) - stop_after
+    for a, b in zip(rest, uninterrupted[stop_after:], strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="seed"):
+        dt.Pipeline(indexed, **{**common, "seed": 12}).load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size"):
+        dt.Pipeline(indexed, **{**common, "world_size": 3}).load_state_dict(state)
+
+
+def _noise(arrays, rng):
+    arrays["x"] = arrays["x"] + rng.standard_normal(arrays["x"].shape).astype(np.float32)
+    return arrays
+
+
+def test_augmentation_is_deterministic(client, indexed):
+    def run(epoch: int) -> dict[int, np.ndarray]:
+        pipe = dt.Pipeline(indexed, batch_size=64, seed=2, transform=_noise, client=client)
+        pipe.set_epoch(epoch)
+        return {int(i): row for x, y in pipe for i, row in zip(y, x.numpy(), strict=True)}
+
+    a, b, c = run(0), run(0), run(1)
+    raw = indexed.x.compute()
+    assert all(np.array_equal(a[i], b[i]) for i in a)  # same (seed, epoch): same noise
+    assert not all(np.allclose(a[i], c[i]) for i in a)  # another epoch: other noise
+    assert not all(np.allclose(a[i], raw[i]) for i in a)
+
+
+def test_prefetch_bounds_blocks_and_cluster_memory(client, tmp_path):
+    """A dataset of 120 windows; the pipeline's data in cluster memory stays a few windows."""
+    ds = indexed_dataset(client, tmp_path, rows=60_000, width=16, chunk_rows=500)
+    prefetch, block_rows = 3, 500
+    window_bytes = block_rows * (16 * 4 + 8)
+    pipe = dt.Pipeline(ds, batch_size=250, seed=0, prefetch=prefetch, block_rows=block_rows,
+                       client=client)
+
+    def pipeline_bytes(dask_scheduler) -> int:
+        return sum(ts.nbytes for key, ts in dask_scheduler.tasks.items()
+                   if "dasktrain-" in str(key) and ts.state == "memory")
+
+    peak = 0
+    for i, _ in enumerate(pipe):
+        if i % 5 == 0:
+            peak = max(peak, client.run_on_scheduler(pipeline_bytes))
+    assert pipe.stats.max_blocks_in_flight == prefetch
+    assert pipe.stats.batches == 240
+    total = ds.x.nbytes + ds.y.nbytes
+    # Each in-flight unit holds a window and its batches (2x), plus the window being read.
+    assert 0 < peak <= 2 * (prefetch + 1) * window_bytes < total / 10
+
+
+def test_stats_are_reported(client, indexed):
+    pipe = dt.Pipeline(indexed, batch_size=100, client=client)
+    list(pipe)
+    summary = pipe.stats.summary()
+    assert summary["batches"] == 11 and summary["samples"] == 1003
+    assert summary["bytes_received"] == 1003 * (3 * 4 + 8)
+    assert 0 <= summary["stall"] <= 1 and summary["samples_per_s"] > 0
+    assert len(pipe.stats.wait_per_batch) == 11
+
+
+def test_dict_batches(client, indexed):
+    batch = next(iter(dt.Pipeline(indexed, batch_size=10, as_dict=True, client=client)))
+    assert set(batch) == {"x", "y"} and batch["x"].shape == (10, 3)
+
+
+def _explode(arrays, rng):
+    if arrays["y"].min() <= 500 < arrays["y"].max() + 1:
+        raise ZeroDivisionError("bad sample 500")
+    return arrays
+
+
+def test_transform_error_names_block_and_epoch(client, indexed):
+    pipe = dt.Pipeline(indexed, batch_size=10, transform=_explode, client=client,
+                       shuffle=False)
+    with pytest.raises(dt.PipelineError, match=r"transform failed on block 5 \(rows 500:600\) "
+                                               r"of epoch 0: ZeroDivisionError") as info:
+        list(pipe)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def _drop_rows(arrays, rng):
+    return {k: v[1:] for k, v in arrays.items()}
+
+
+def test_transform_that_drops_rows_is_refused(client, indexed):
+    with pytest.raises(dt.PipelineError, match="changed the number of samples"):
+        list(dt.Pipeline(indexed, batch_size=10, transform=_drop_rows, client=client))
+
+
+def test_corrupt_chunk_names_array_and_chunk(client, tmp_path):
+    ds = indexed_dataset(client, tmp_path, rows=1000, chunk_rows=100)
+    chunk = tmp_path / "indexed.zarr" / "x" / "c" / "4" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(dt.PipelineError, match=r"cannot read array 'x' chunk 4 \(rows 400:500\)"):
+        list(dt.Pipeline(ds, batch_size=100, shuffle=False, client=client))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"batch_size": 2000}, "larger than the 1003 samples"),
+    ({"batch_size": 0}, "batch_size must be a positive integer"),
+    ({"batch_size": 8, "seed": -1}, "seed must be a non-negative integer"),
+    ({"batch_size": 8, "seed": 1.5}, "seed must be a non-negative integer"),
+    ({"batch_size": 8, "rank": 2, "world_size": 2}, "rank must lie in"),
+    ({"batch_size": 8, "prefetch": 0}, "prefetch must be >= 1"),
+    ({"batch_size": 8, "placement": "moon"}, "placement must be one of"),
+])
+def test_bad_settings_are_refused_up_front(indexed, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dt.Pipeline(indexed, **kwargs)
+
+
+def test_splits_are_separate(client, tmp_path):
+    ds = indexed_dataset(client, tmp_path, rows=500, split="train=0.8,val=0.2")
+    train = np.concatenate(_ids(dt.Pipeline(ds.split("train"), batch_size=64, client=client)))
+    val = np.concatenate(_ids(dt.Pipeline(ds.split("val"), batch_size=64, client=client)))
+    assert len(train) == 400 and len(val) == 100
+    assert not set(train) & set(val)
+
+
+def _slow(arrays, rng):
+    import time
+
+    time.sleep(2)
+    return arrays
+
+
+def test_no_data_in_time_fails_with_a_clear_error(client, indexed):
+    pipe = dt.Pipeline(indexed, batch_size=10, transform=_slow, timeout=0.3, prefetch=1,
+                       client=client)
+    with pytest.raises(dt.PipelineError, match=r"no data for block\(s\) .* of epoch 0 after"):
+        next(iter(pipe))
+
+
+@pytest.mark.slow
+def test_killed_worker_during_an_epoch_completes(tmp_path):
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as own:
+        ds = indexed_dataset(own, tmp_path, rows=20_000, chunk_rows=500)
+        pipe = dt.Pipeline(ds, batch_size=100, block_rows=500, seed=4, client=own, prefetch=4)
+        ids = []
+        for i, (_, y) in enumerate(pipe):
+            ids.append(y.numpy())
+            if i == 20:  # kill a worker while blocks are in flight on it
+                import os
+                import signal
+
+                victim = next(iter(own.scheduler_info()["workers"]))
+                pid = own.run(os.getpid, workers=[victim])[victim]
+                os.kill(pid, signal.SIGKILL)
+        seen = np.concatenate(ids)
+        assert sorted(seen.tolist()) == list(range(20_000))
+        fresh = np.concatenate(_ids(dt.Pipeline(ds, batch_size=100, block_rows=500, seed=4,
+                                                client=own)))
+        np.testing.assert_array_equal(seen, fresh)

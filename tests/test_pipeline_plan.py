@@ -1,0 +1,97 @@
+"""Epoch plans are pure: checked exhaustively over sizes, world sizes and settings."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dasktrain.pipeline.plan import EpochPlan
+
+
+def _rank_rows(plan: EpochPlan, rank: int, world: int) -> list[np.ndarray]:
+    order = plan.sample_order()
+    rows = []
+    for unit in plan.units(rank, world):
+        for pieces in unit.pieces:
+            offsets = plan.window_offsets
+            rows.append(np.concatenate([order[offsets[p.window] + p.start:
+                                              offsets[p.window] + p.stop] for p in pieces]))
+    return rows
+
+
+SETTINGS = list(itertools.product(
+    [(0, 97), (5, 1003), (100, 161)],  # uneven sizes: no range divides evenly
+    [1, 7, 64],                      # block rows
+    [1, 3],                          # shuffle blocks
+    [10, 33],                        # batch size
+    [False, True],                   # drop_last
+))
+
+
+@pytest.mark.parametrize(("span", "block_rows", "shuffle_blocks", "batch", "drop_last"),
+                         SETTINGS)
+def test_every_sample_once_and_order_independent_of_world_size(span, block_rows,
+                                                               shuffle_blocks, batch, drop_last):
+    start, stop = span
+    plan = EpochPlan(start, stop, block_rows, batch, seed=3, epoch=2,
+                     shuffle_blocks=shuffle_blocks, drop_last=drop_last)
+    order = plan.sample_order()
+    assert sorted(order.tolist()) == list(range(start, stop))
+    expected = [order[b * batch:(b + 1) * batch] for b in range(plan.num_batches)]
+    for world in (1, 2, 3):
+        per_rank = [_rank_rows(plan, r, world) for r in range(world)]
+        counts = [len(r) for r in per_rank]
+        assert max(counts) - min(counts) <= 1  # balanced
+        # Interleaving the ranks' batches (step k: rank 0, 1, ...) gives the global batches.
+        interleaved = [per_rank[r][k] for k in range(max(counts)) for r in range(world)
+                       if k < counts[r]]
+        assert len(interleaved) == len(expected)
+        for got, want in zip(interleaved, expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        seen = np.concatenate([b for rank in per_rank for b in rank])
+        assert len(np.unique(seen)) == len(seen)
+        if not drop_last:
+            assert len(seen) == stop - start
+        else:
+            assert len(seen) == (stop - start) // batch * batch
+
+
+def test_order_depends_only_on_seed_and_epoch():
+    a = EpochPlan(0, 5000, 100, 32, seed=1, epoch=0, shuffle_blocks=4).sample_order()
+    assert np.array_equal(a, EpochPlan(0, 5000, 100, 32, seed=1, epoch=0,
+                                       shuffle_blocks=4).sample_order())
+    assert not np.array_equal(a, EpochPlan(0, 5000, 100, 32, seed=1, epoch=1,
+                                           shuffle_blocks=4).sample_order())
+    assert not np.array_equal(a, EpochPlan(0, 5000, 100, 32, seed=2, epoch=0,
+                                           shuffle_blocks=4).sample_order())
+
+
+def test_no_shuffle_keeps_stored_order():
+    plan = EpochPlan(10, 1000, 64, 50, seed=0, epoch=3, shuffle=False, shuffle_blocks=2)
+    np.testing.assert_array_equal(plan.sample_order(), np.arange(10, 1000))
+
+
+def test_shuffle_mixes_within_windows_only():
+    plan = EpochPlan(0, 1000, 100, 10, seed=0, epoch=0, shuffle_blocks=2)
+    order = plan.sample_order()
+    for w, blocks in enumerate(plan.windows):
+        a, b = plan.window_offsets[w], plan.window_offsets[w + 1]
+        allowed = set(np.concatenate([np.arange(*plan.block_range(k)) for k in blocks]))
+        assert set(order[a:b].tolist()) == allowed
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"block_rows": 0}, "block_rows"), ({"batch_size": 0}, "batch_size"),
+    ({"shuffle_blocks": 0}, "shuffle_blocks"), ({"seed": -1}, "non-negative"),
+])
+def test_plan_refuses_bad_settings(kwargs, message):
+    base = {"start": 0, "stop": 100, "block_rows": 10, "batch_size": 5, "seed": 0, "epoch": 0}
+    with pytest.raises(ValueError, match=message):
+        EpochPlan(**{**base, **kwargs})
+
+
+def test_rank_must_be_in_world():
+    with pytest.raises(ValueError, match="rank 3"):
+        EpochPlan(0, 100, 10, 5, seed=0, epoch=0).rank_batches(3, 3)
