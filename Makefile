@@ -1,5 +1,6 @@
 # Two commands for a fresh machine:
-#   make demo   set up, then prepare a dataset and inspect it on an embedded LocalCluster
+#   make demo   set up, then prepare, inspect and verify a dataset on an embedded LocalCluster,
+#               and train a small model from it through the pipeline
 #   make test   set up, then run the test suite
 #
 # The install puts a CPU build of torch in place first, so the project's `torch>=` range is
@@ -36,6 +37,7 @@ demo: setup
 	$(VENV)/bin/dasktrain prepare digits $(DEMO_DIR)/digits.zarr --split train=0.8,val=0.2 --normalize --overwrite
 	$(VENV)/bin/dasktrain info $(DEMO_DIR)/digits.zarr
 	$(VENV)/bin/dasktrain verify $(DEMO_DIR)/digits.zarr
+	$(PY) examples/pipeline_digits.py $(DEMO_DIR)/digits.zarr
 
 test: setup
 	$(VENV)/bin/ruff check .
@@ -47,6 +49,7 @@ lint: setup
 
 bench: setup
 	$(PY) benchmarks/prepare.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

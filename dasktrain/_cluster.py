@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from distributed import Client, LocalCluster
 
-__all__ = ["cluster_client", "default_local_cluster_options"]
+__all__ = ["cluster_client", "default_local_cluster_options", "start_local_cluster"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,16 @@ def cluster_client(
         finally:
             own.close()
         return
+    with start_local_cluster(n_workers, memory_limit) as cluster, Client(cluster) as own:
+        yield own
+
+
+def start_local_cluster(n_workers: int | None = None,
+                        memory_limit: str | float | None = None) -> LocalCluster:
+    """The embedded default: a LocalCluster on 127.0.0.1 sized for this machine."""
     options = default_local_cluster_options(n_workers, memory_limit)
     logger.info("starting a LocalCluster with %d worker(s)", options["n_workers"])
     with warnings.catch_warnings():
         # Another cluster holding port 8787 only moves our (loopback) HTTP server elsewhere.
         warnings.filterwarnings("ignore", message="Port .* is already in use")
-        cluster = LocalCluster(**options)
-    with cluster, Client(cluster) as own:
-        yield own
+        return LocalCluster(**options)

@@ -3,9 +3,11 @@ bound, handed over as torch tensors."""
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
 import logging
 import os
+import queue
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from dask.base import tokenize
 from distributed import Client, Future, get_client, get_worker
 from distributed.client import FutureCancelledError
 
-from dasktrain._cluster import default_local_cluster_options
+from dasktrain._cluster import start_local_cluster
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.plan import EpochPlan, Unit
@@ -42,9 +44,7 @@ _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuff
 
 
 def _own_cluster() -> tuple[Client, weakref.finalize]:
-    from distributed import LocalCluster
-
-    cluster = LocalCluster(**default_local_cluster_options())
+    cluster = start_local_cluster()
     client = Client(cluster)
 
     def close() -> None:
@@ -252,8 +252,9 @@ class Pipeline:
                                     "worker (e.g. inside a trainer task)") from None
         return {}
 
-    def _submit(self, plan: EpochPlan, unit: Unit, windows: dict[int, Future]) -> Future:
-        client, kwargs = self.client, self._submit_kwargs()
+    def _submit(self, plan: EpochPlan, unit: Unit, windows: dict[int, Future],
+                kwargs: dict[str, Any]) -> Future:
+        client = self.client
         for w in unit.windows:
             if w not in windows:
                 windows[w] = client.submit(
@@ -290,22 +291,59 @@ class Pipeline:
                 raise PipelineError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
 
     # -- iteration ---------------------------------------------------------------------
-    def _convert(self, arrays: dict[str, np.ndarray]) -> Batch:
+    def _host_tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """CPU tensors sharing the arrays' memory (pinned when the batch goes to CUDA)."""
         tensors = {}
         for name, value in arrays.items():
             if not value.flags.writeable:  # torch wants writable memory; deserialised may not be
                 value = value.copy()
             tensor = torch.from_numpy(value)
-            if self.device.type == "cuda":
-                tensor = tensor.pin_memory().to(self.device, non_blocking=True)
-            elif self.device.type != "cpu":
-                tensor = tensor.to(self.device)
-            tensors[name] = tensor
+            tensors[name] = tensor.pin_memory() if self.device.type == "cuda" else tensor
+        return tensors
+
+    def _fetch(self, future: Future, unit: Unit, epoch: int) -> list[dict[str, torch.Tensor]]:
+        """Runs on a fetch thread: bring a unit's batches into this process as tensors, so
+        that the consumer finds them ready instead of paying a round trip per unit."""
+        return [self._host_tensors(arrays) for arrays in self._result(future, unit, epoch)]
+
+    def _deliver(self, tensors: dict[str, torch.Tensor]) -> Batch:
+        if self.device.type != "cpu":
+            tensors = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
         if self.as_dict:
             return tensors
         x = tensors[self.dataset.features_name]
         target = self.dataset.targets_name
         return x if target is None else (x, tensors[target])
+
+    def _feed(self, plan: EpochPlan, units: list[Unit], out: queue.Queue,
+              slots: threading.Semaphore, stop: threading.Event,
+              fetcher: concurrent.futures.ThreadPoolExecutor, kwargs: dict[str, Any]) -> None:
+        """Feeder thread: submit units as slots free up, and have each fetched in order.
+
+        All data work (task submission, transfer, conversion) happens off the consumer's
+        thread; the consumer only takes ready batches. ``slots`` holds ``prefetch`` permits:
+        one is taken per submitted unit and given back when the consumer has used it up.
+        """
+        windows: dict[int, Future] = {}
+        try:
+            for unit in units:
+                while not slots.acquire(timeout=0.1):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    slots.release()
+                    return
+                future = self._submit(plan, unit, windows, kwargs)
+                # Keep a window's future only while a later unit may still need it; the
+                # scheduler keeps it for the submitted batch tasks that depend on it.
+                for w in [w for w in windows if w < unit.window]:
+                    del windows[w]
+                self.stats.set_in_flight(self.stats.blocks_in_flight + 1)
+                out.put((future, fetcher.submit(self._fetch, future, unit, plan.epoch)))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            out.put((None, exc))
+        finally:
+            out.put(None)
 
     def __iter__(self) -> Iterator[Batch]:
         epoch, skip = self._epoch, self._position
@@ -316,45 +354,54 @@ class Pipeline:
             units.pop(0)
         stats = self.stats
         stats.start_epoch()
-        pending: collections.deque[tuple[Unit, Future]] = collections.deque()
-        upcoming = iter(units)
-        windows: dict[int, Future] = {}
-
-        def top_up() -> None:
-            while len(pending) < self.prefetch:
-                unit = next(upcoming, None)
-                if unit is None:
-                    break
-                pending.append((unit, self._submit(plan, unit, windows)))
-                # Keep a window's future only while a later unit may still need it; the
-                # scheduler keeps it for the submitted batch tasks that depend on it.
-                for w in [w for w in windows if w < unit.window]:
-                    del windows[w]
-            stats.set_in_flight(len(pending))
-
+        out: queue.Queue = queue.Queue()
+        slots, stop = threading.Semaphore(self.prefetch), threading.Event()
+        # Resolved here, on the consumer's thread: inside a Dask task the worker's client and
+        # address are only visible from the task's own thread, not from the feeder.
+        _ = self.client
+        kwargs = self._submit_kwargs()
+        fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
+        feeder = threading.Thread(target=self._feed, args=(plan, units, out, slots, stop,
+                                                          fetcher, kwargs),
+                                  name="dasktrain-feeder", daemon=True)
+        feeder.start()
         try:
-            top_up()
-            while pending:
+            while True:
                 started = time.perf_counter()
-                unit, future = pending[0]
-                batches = self._result(future, unit, epoch)
-                pending.popleft()
-                top_up()
-                stats.blocks_done += 1
-                for arrays in batches[skip:]:
-                    batch = self._convert(arrays)
-                    rows = len(next(iter(arrays.values())))
+                try:
+                    # Submission is quick, so the feeder answers well within the timeout;
+                    # _fetch itself waits with a deadline and a liveness check.
+                    item = out.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise PipelineError(f"the pipeline's feeder gave nothing for "
+                                        f"{self.timeout:.0f}s in epoch {epoch}") from None
+                if item is None:
+                    break
+                future, fetched = item
+                if future is None:
+                    raise PipelineError(f"submitting work for epoch {epoch} failed: "
+                                        f"{fetched}") from fetched
+                batches = fetched.result()
+                for tensors in batches[skip:]:
+                    batch = self._deliver(tensors)
+                    rows = len(next(iter(tensors.values())))
                     stats.record_batch(time.perf_counter() - started, rows,
-                                       sum(a.nbytes for a in arrays.values()))
+                                       sum(t.nbytes for t in tensors.values()))
                     self._position += 1
                     yield batch
                     started = time.perf_counter()
                 skip = 0
+                stats.blocks_done += 1
+                stats.set_in_flight(stats.blocks_in_flight - 1)
+                slots.release()
         finally:
-            for _, future in pending:
-                future.release()
-            pending.clear()
-            windows.clear()
+            stop.set()
+            fetcher.shutdown(wait=False, cancel_futures=True)
+            feeder.join(timeout=5)
+            while not out.empty():
+                item = out.get_nowait()
+                if item is not None and item[0] is not None:
+                    item[0].release()
             stats.set_in_flight(0)
         stats.finished = time.perf_counter()
         self._epoch, self._position = epoch + 1, 0

@@ -250,3 +250,31 @@ def test_killed_worker_during_an_epoch_completes(tmp_path):
         fresh = np.concatenate(_ids(dt.Pipeline(ds, batch_size=100, block_rows=500, seed=4,
                                                 client=own)))
         np.testing.assert_array_equal(seen, fresh)
+
+
+def _consume_on_worker(path: str, placement: str) -> tuple[str, list[int]]:
+    from distributed import get_worker, secede
+
+    secede()  # a long-running consumer gives its thread slot back, as trainer workers do
+    pipe = dt.Pipeline(path, batch_size=100, seed=9, placement=placement)
+    ids = [int(i) for _, y in pipe for i in y]
+    return get_worker().address, ids
+
+
+def test_local_placement_runs_blocks_on_the_consumers_worker(client, indexed):
+    from distributed import get_task_stream
+
+    with get_task_stream(client) as stream:
+        address, ids = client.submit(_consume_on_worker, indexed.url, "local",
+                                     pure=False).result(timeout=120)
+    assert sorted(ids) == list(range(1003))
+    ran = {rec["worker"] for rec in stream.data if "dasktrain-window" in str(rec["key"])}
+    assert ran == {address}
+    expected = [int(i) for _, y in dt.Pipeline(indexed, batch_size=100, seed=9, client=client)
+                for i in y]
+    assert ids == expected
+
+
+def test_local_placement_outside_a_worker_is_refused(client, indexed):
+    with pytest.raises(dt.PipelineError, match="placement='local' needs"):
+        next(iter(dt.Pipeline(indexed, batch_size=10, placement="local", client=client)))

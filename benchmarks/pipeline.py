@@ -1,0 +1,228 @@
+"""W1, the data-stall workload: does the training loop ever wait for data?
+
+Data: 200,192 rows x 32 float32 features + int64 labels (782 batches of 256) in Zarr, chunks of
+8,192 rows, zstd. Each batch of 256 costs C ms of CPU to transform (a calibrated busy loop of
+small numpy matmuls). The consumer's step is a simulated accelerator: ``time.sleep(0.020)``
+(releases the CPU) plus a real tiny MLP (32->64->10) forward/backward.
+
+Measured side by side in one run, medians of ``--repeats``:
+
+1. stall (time waiting for the next batch / epoch wall time, first batch included) and
+   samples/s of dasktrain.Pipeline, the same loop loading synchronously, and a torch
+   DataLoader with the same number of worker processes reading the same Zarr chunks;
+2. read efficiency: the pipeline with an identity transform and no step, against a plain
+   sequential zarr read of the same arrays in one process.
+
+Run: ``.venv/bin/python benchmarks/pipeline.py`` (``--costs 5 30 --repeats 3``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import torch
+import zarr
+from distributed import Client, LocalCluster
+
+import dasktrain as dt
+
+ROWS, WIDTH, CHUNK, BATCH, STEP_S = 200_192, 32, 8_192, 256, 0.020
+_MAT = np.random.default_rng(0).standard_normal((48, 48))
+
+
+def _spin(iterations: int) -> None:
+    m = _MAT
+    for _ in range(iterations):
+        m = np.tanh(m @ _MAT)
+
+
+def calibrate() -> float:
+    """Busy-loop iterations per millisecond on this machine (best of a few tries)."""
+    best = 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        _spin(2000)
+        best = max(best, 2000 / ((time.perf_counter() - start) * 1e3))
+    return best
+
+
+class CostlyTransform:
+    """C ms of CPU per 256 rows, then a real (cheap) normalisation of the features."""
+
+    def __init__(self, ms_per_batch: float, per_ms: float) -> None:
+        self.ms_per_batch, self.per_ms = ms_per_batch, per_ms
+
+    def work(self, rows: int) -> None:
+        _spin(round(self.per_ms * self.ms_per_batch * rows / BATCH))
+
+    def __call__(self, arrays: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
+        self.work(len(arrays["x"]))
+        arrays["x"] = (arrays["x"] * 0.5).astype(np.float32)
+        return arrays
+
+
+def make_data(directory: Path, client: Client) -> dt.Dataset:
+    rng = np.random.default_rng(0)
+    np.save(directory / "x.npy", rng.standard_normal((ROWS, WIDTH), dtype=np.float32))
+    np.save(directory / "y.npy", rng.integers(0, 10, ROWS))
+    return dt.prepare(directory / "x.npy", directory / "w1.zarr", client=client,
+                      target=str(directory / "y.npy"), chunk_rows=CHUNK, progress=False)
+
+
+def train_loop(batches: Iterable, step: bool = True) -> tuple[float, float, int]:
+    """Run one epoch; return (stall fraction, samples/s, samples)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    waited, samples = 0.0, 0
+    start = time.perf_counter()
+    it = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            break
+        waited += time.perf_counter() - t0
+        samples += len(x)
+        if step:
+            time.sleep(STEP_S)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    wall = time.perf_counter() - start
+    return waited / wall, samples / wall, samples
+
+
+def sync_batches(path: Path, transform: CostlyTransform, seed: int) -> Iterator:
+    """The same loop loading synchronously: read a chunk, transform, cut batches."""
+    group = zarr.open_group(str(path), mode="r")
+    x, y = group["x"], group["y"]
+    order = np.random.default_rng(seed).permutation(-(-ROWS // CHUNK))
+    for c in order:
+        xs, ys = x[c * CHUNK:(c + 1) * CHUNK], y[c * CHUNK:(c + 1) * CHUNK]
+        for a in range(0, len(xs), BATCH):
+            arrays = transform({"x": xs[a:a + BATCH], "y": ys[a:a + BATCH]}, None)
+            yield torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"])
+
+
+class ZarrChunks(torch.utils.data.IterableDataset):
+    """What a DataLoader user writes for chunked Zarr: workers split shuffled chunks."""
+
+    def __init__(self, path: Path, transform: CostlyTransform, seed: int) -> None:
+        self.path, self.transform, self.seed = str(path), transform, seed
+
+    def __iter__(self) -> Iterator:
+        info = torch.utils.data.get_worker_info()
+        wid, n = (info.id, info.num_workers) if info else (0, 1)
+        group = zarr.open_group(self.path, mode="r")
+        x, y = group["x"], group["y"]
+        order = np.random.default_rng(self.seed).permutation(-(-ROWS // CHUNK))
+        for c in order[wid::n]:
+            xs, ys = x[c * CHUNK:(c + 1) * CHUNK], y[c * CHUNK:(c + 1) * CHUNK]
+            for a in range(0, len(xs), BATCH):
+                arrays = self.transform({"x": xs[a:a + BATCH], "y": ys[a:a + BATCH]}, None)
+                yield torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"])
+
+
+def dataloader(path: Path, transform: CostlyTransform, workers: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(ZarrChunks(path, transform, 0), batch_size=None,
+                                       num_workers=workers, prefetch_factor=4,
+                                       persistent_workers=False)
+
+
+def median_of(repeats: int, run: Callable[[], tuple]) -> tuple:
+    results = [run() for _ in range(repeats)]
+    return tuple(statistics.median(r[i] for r in results) for i in range(len(results[0])))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--costs", type=float, nargs="+", default=[5.0, 30.0],
+                        help="transform cost C in ms per batch of 256")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--block-rows", type=int, default=2048)
+    parser.add_argument("--prefetch", type=int, default=12)
+    parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
+                        help="fetch batches straight from the workers, not via the scheduler")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    per_ms = calibrate()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                         host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster, direct_to_workers=args.direct) as client:
+        ds = make_data(Path(tmp), client)
+        path = Path(tmp) / "w1.zarr"
+        for cost in args.costs:
+            transform = CostlyTransform(cost, per_ms)
+
+            def pipe(transform=transform, step=True):
+                p = dt.Pipeline(ds, BATCH, seed=0, transform=transform, client=client,
+                                block_rows=args.block_rows, prefetch=args.prefetch)
+                return train_loop(p, step)
+
+            pipe()  # warm the workers (imports, first compile) before timing
+            measured = {
+                "dasktrain Pipeline": median_of(args.repeats, pipe),
+                f"torch DataLoader, num_workers={args.workers}": median_of(
+                    args.repeats, lambda t=transform: train_loop(dataloader(path, t,
+                                                                            args.workers))),
+                "synchronous loading (no prefetch)": median_of(
+                    args.repeats, lambda t=transform: train_loop(sync_batches(path, t, 0))),
+            }
+            for name, (stall, rate, samples) in measured.items():
+                assert samples == ROWS, (name, samples)
+                rows.append((cost, name, stall, rate))
+        identity = median_of(args.repeats, lambda: train_loop(
+            dt.Pipeline(ds, BATCH, seed=0, client=client, block_rows=CHUNK,
+                        prefetch=args.prefetch), step=False))
+
+        def plain_read():
+            group = zarr.open_group(str(path), mode="r")
+            start = time.perf_counter()
+            for a in range(0, ROWS, CHUNK):
+                group["x"][a:a + CHUNK]
+                group["y"][a:a + CHUNK]
+            return (0.0, ROWS / (time.perf_counter() - start), ROWS)
+
+        plain = median_of(args.repeats, plain_read)
+
+    print(f"W1 data stall: {ROWS:,} rows x {WIDTH} float32 + int64 labels, chunks of {CHUNK:,}, "
+          f"batches of {BATCH}, step = {STEP_S * 1e3:.0f} ms sleep + MLP; "
+          f"{args.workers} worker processes; median of {args.repeats}; {os.cpu_count()} CPUs")
+    print()
+    print("| C ms/batch | loader | stall | samples/s | samples/s vs DataLoader |")
+    print("|---:|---|---:|---:|---:|")
+    for cost in args.costs:
+        mine = [r for r in rows if r[0] == cost]
+        loader_rate = next(r[3] for r in mine if r[1].startswith("torch"))
+        for _, name, stall, rate in mine:
+            print(f"| {cost:g} | {name} | {stall:.1%} | {rate:,.0f} | {rate / loader_rate:.2f}x |")
+    print()
+    print("| read efficiency (identity transform, no step) | samples/s | ratio |")
+    print("|---|---:|---:|")
+    print(f"| plain sequential zarr read, one process | {plain[1]:,.0f} | 1.00x |")
+    print(f"| dasktrain Pipeline, block_rows={CHUNK} | {identity[1]:,.0f} | "
+          f"{identity[1] / plain[1]:.2f}x |")
+    print()
+    flags = [f"--costs {' '.join(f'{c:g}' for c in args.costs)}", f"--repeats {args.repeats}",
+             f"--workers {args.workers}", f"--block-rows {args.block_rows}",
+             f"--prefetch {args.prefetch}", "--direct" if args.direct else "--no-direct"]
+    print("command: .venv/bin/python benchmarks/pipeline.py " + " ".join(flags))
+
+if __name__ == "__main__":
+    main()
