@@ -153,7 +153,11 @@ def main() -> None:
                         help="transform cost C in ms per batch of 256")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--block-rows", type=int, default=2048)
+    parser.add_argument("--block-rows", type=int, default=None,
+                        help="rows per block task (default: sized by --task-ms)")
+    parser.add_argument("--task-ms", type=float, default=120.0,
+                        help="size block tasks for this much transform work (the Dask "
+                             "guidance of >= ~100 ms per task), in whole batches")
     parser.add_argument("--prefetch", type=int, default=12)
     parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                         help="fetch batches straight from the workers, not via the scheduler")
@@ -169,10 +173,11 @@ def main() -> None:
         path = Path(tmp) / "w1.zarr"
         for cost in args.costs:
             transform = CostlyTransform(cost, per_ms)
+            block_rows = args.block_rows or BATCH * max(1, round(args.task_ms / cost))
 
-            def pipe(transform=transform, step=True):
+            def pipe(transform=transform, step=True, block_rows=block_rows):
                 p = dt.Pipeline(ds, BATCH, seed=0, transform=transform, client=client,
-                                block_rows=args.block_rows, prefetch=args.prefetch)
+                                block_rows=block_rows, prefetch=args.prefetch)
                 return train_loop(p, step)
 
             pipe()  # warm the workers (imports, first compile) before timing
@@ -186,7 +191,8 @@ def main() -> None:
             }
             for name, (stall, rate, samples) in measured.items():
                 assert samples == ROWS, (name, samples)
-                rows.append((cost, name, stall, rate))
+                label = f"{name} (block_rows={block_rows})" if name.startswith("dask") else name
+                rows.append((cost, label, stall, rate))
         identity = median_of(args.repeats, lambda: train_loop(
             dt.Pipeline(ds, BATCH, seed=0, client=client, block_rows=CHUNK,
                         prefetch=args.prefetch), step=False))
@@ -220,7 +226,9 @@ def main() -> None:
           f"{identity[1] / plain[1]:.2f}x |")
     print()
     flags = [f"--costs {' '.join(f'{c:g}' for c in args.costs)}", f"--repeats {args.repeats}",
-             f"--workers {args.workers}", f"--block-rows {args.block_rows}",
+             f"--workers {args.workers}",
+             (f"--block-rows {args.block_rows}" if args.block_rows
+              else f"--task-ms {args.task_ms:g}"),
              f"--prefetch {args.prefetch}", "--direct" if args.direct else "--no-direct"]
     print("command: .venv/bin/python benchmarks/pipeline.py " + " ".join(flags))
 

@@ -338,7 +338,7 @@ class Pipeline:
                 # scheduler keeps it for the submitted batch tasks that depend on it.
                 for w in [w for w in windows if w < unit.window]:
                     del windows[w]
-                self.stats.set_in_flight(self.stats.blocks_in_flight + 1)
+                self.stats.add_in_flight(1)
                 out.put((future, fetcher.submit(self._fetch, future, unit, plan.epoch)))
         except BaseException as exc:  # handed to the consumer, which raises it
             out.put((None, exc))
@@ -392,7 +392,7 @@ class Pipeline:
                     started = time.perf_counter()
                 skip = 0
                 stats.blocks_done += 1
-                stats.set_in_flight(stats.blocks_in_flight - 1)
+                stats.add_in_flight(-1)
                 slots.release()
         finally:
             stop.set()
@@ -402,7 +402,7 @@ class Pipeline:
                 item = out.get_nowait()
                 if item is not None and item[0] is not None:
                     item[0].release()
-            stats.set_in_flight(0)
+            stats.clear_in_flight()
         stats.finished = time.perf_counter()
         self._epoch, self._position = epoch + 1, 0
 

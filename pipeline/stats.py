@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 __all__ = ["PipelineStats"]
+
+_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,9 +45,15 @@ class PipelineStats:
         self.wait_total += wait
         self.wait_per_batch.append(wait)
 
-    def set_in_flight(self, count: int) -> None:
-        self.blocks_in_flight = count
-        self.max_blocks_in_flight = max(self.max_blocks_in_flight, count)
+    def add_in_flight(self, delta: int) -> None:
+        """Called by the feeder (+1) and the consumer (-1) threads."""
+        with _LOCK:
+            self.blocks_in_flight += delta
+            self.max_blocks_in_flight = max(self.max_blocks_in_flight, self.blocks_in_flight)
+
+    def clear_in_flight(self) -> None:
+        with _LOCK:
+            self.blocks_in_flight = 0
 
     @property
     def elapsed(self) -> float:
