@@ -83,8 +83,8 @@ class VerifyReport:
         return not self.problems
 
 
-def _check_chunk(array: zarr.Array, name: str, index: int, chunk_rows: int,
-                 role: str) -> tuple[Any, list[str]]:
+def _check_chunk(array: zarr.Array, name: str, index: int, chunk_rows: int
+                 ) -> tuple[Any, list[str]]:
     start = index * chunk_rows
     try:
         block = array[start : start + chunk_rows]
@@ -124,7 +124,7 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
             continue
         for index in range(math.ceil(n / z.chunks[0])):
             tasks.append(dask.delayed(_check_chunk, pure=False)(
-                z, name, index, z.chunks[0], meta["role"]))
+                z, name, index, z.chunks[0]))
             owners.append(name)
     splits = attrs.get("splits") or {}
     edge = 0

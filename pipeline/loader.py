@@ -168,6 +168,9 @@ class Pipeline:
         self._finalizer: weakref.finalize | None = None
         self._epoch = 0
         self._position = 0  # batches of the current epoch already handed to the consumer
+        # Looked up once: _deliver runs for every batch.
+        self._features_name = self.dataset.features_name
+        self._targets_name = self.dataset.targets_name
         names = tuple(self.dataset.array_names)
         self._ref = ArraysRef(names, tuple(self.dataset.zarr_array(n) for n in names))
         self._token = tokenize(self.dataset.url, self.dataset.start, self.dataset.stop, names,
@@ -265,11 +268,12 @@ class Pipeline:
             key=f"dasktrain-batches-{self._token}-{plan.epoch}-{self.rank}of"
                 f"{self.world_size}-{unit.window}", **kwargs)
 
-    def _result(self, future: Future, unit: Unit, epoch: int) -> list[dict[str, np.ndarray]]:
+    def _result(self, future: Future, unit: Unit, plan: EpochPlan
+                ) -> list[dict[str, np.ndarray]]:
         """Wait for a unit with a deadline, checking that the cluster still has workers."""
         deadline = time.monotonic() + self.timeout
-        blocks = [b for w in unit.windows for b in self.plan(epoch).windows[w]]
-        where = f"block(s) {blocks} of epoch {epoch}"
+        blocks = [b for w in unit.windows for b in plan.windows[w]]
+        where = f"block(s) {blocks} of epoch {plan.epoch}"
         while True:
             try:
                 return future.result(timeout=min(2.0, max(deadline - time.monotonic(), 0.01)))
@@ -301,19 +305,19 @@ class Pipeline:
             tensors[name] = tensor.pin_memory() if self.device.type == "cuda" else tensor
         return tensors
 
-    def _fetch(self, future: Future, unit: Unit, epoch: int) -> list[dict[str, torch.Tensor]]:
+    def _fetch(self, future: Future, unit: Unit, plan: EpochPlan
+               ) -> list[dict[str, torch.Tensor]]:
         """Runs on a fetch thread: bring a unit's batches into this process as tensors, so
         that the consumer finds them ready instead of paying a round trip per unit."""
-        return [self._host_tensors(arrays) for arrays in self._result(future, unit, epoch)]
+        return [self._host_tensors(arrays) for arrays in self._result(future, unit, plan)]
 
     def _deliver(self, tensors: dict[str, torch.Tensor]) -> Batch:
         if self.device.type != "cpu":
             tensors = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
         if self.as_dict:
             return tensors
-        x = tensors[self.dataset.features_name]
-        target = self.dataset.targets_name
-        return x if target is None else (x, tensors[target])
+        x = tensors[self._features_name]
+        return x if self._targets_name is None else (x, tensors[self._targets_name])
 
     def _feed(self, plan: EpochPlan, units: list[Unit], out: queue.Queue,
               slots: threading.Semaphore, stop: threading.Event,
@@ -339,7 +343,7 @@ class Pipeline:
                 for w in [w for w in windows if w < unit.window]:
                     del windows[w]
                 self.stats.add_in_flight(1)
-                out.put((future, fetcher.submit(self._fetch, future, unit, plan.epoch)))
+                out.put((future, fetcher.submit(self._fetch, future, unit, plan)))
         except BaseException as exc:  # handed to the consumer, which raises it
             out.put((None, exc))
         finally:

@@ -106,7 +106,7 @@ def builtin_names() -> list[str]:
     return sorted(_BUILTINS)
 
 
-def _suffix_of(path: Path) -> str:
+def suffix_of(path: Path) -> str:
     if path.is_dir():
         suffixes = {p.suffix.lower() for p in path.iterdir() if p.is_file() and p.suffix}
         known = suffixes & set(_SUFFIXES)
@@ -142,7 +142,7 @@ def get_source(source: str | os.PathLike, options: SourceOptions | None = None) 
             f"source {text!r} is neither a file or directory that exists nor a built-in source "
             f"({', '.join(builtin_names())})"
         )
-    suffix = _suffix_of(path)
+    suffix = suffix_of(path)
     if suffix not in _SUFFIXES:
         raise SourceError(
             f"source {text!r}: files ending in {suffix or '(no suffix)'!r} are not supported; "

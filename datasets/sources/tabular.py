@@ -17,6 +17,7 @@ from dasktrain.datasets.sources.base import (
     SourceOptions,
     register_suffix,
     stored_dtype,
+    suffix_of,
 )
 
 __all__ = ["TabularSource"]
@@ -75,10 +76,7 @@ class TabularSource:
 
     def __init__(self, source: str, options: SourceOptions):
         path = Path(source)
-        suffix = path.suffix.lower() if path.is_file() else next(
-            p.suffix.lower() for p in path.iterdir() if p.suffix.lower() in (".csv", ".parquet",
-                                                                               ".pq"))
-        df = _read(path, suffix)
+        df = _read(path, suffix_of(path))
         columns = list(df.columns)
         if not columns:
             raise SourceError(f"{path} has no columns")
