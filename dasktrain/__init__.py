@@ -27,10 +27,17 @@ _LAZY = {
     "EpochPlan": "dasktrain.pipeline",
     "Pipeline": "dasktrain.pipeline",
     "PipelineError": "dasktrain.pipeline",
+    "History": "dasktrain.trainer",
+    "HolderLost": "dasktrain.trainer",
+    "ParameterHolder": "dasktrain.trainer",
+    "Trainer": "dasktrain.trainer",
+    "TrainerError": "dasktrain.trainer",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "optim":  # dt.optim.sgd(...): plain configs, no torch import until built
+        return import_module("dasktrain.trainer.optim")
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dasktrain' has no attribute {name!r}")
@@ -40,14 +47,20 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "EpochPlan",
+    "History",
+    "HolderLost",
+    "ParameterHolder",
     "Pipeline",
     "PipelineError",
     "PrepareConfig",
     "SourceError",
+    "Trainer",
+    "TrainerError",
     "VerifyReport",
     "__version__",
     "describe",
     "open_dataset",
+    "optim",
     "prepare",
     "verify",
 ]

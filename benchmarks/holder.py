@@ -1,0 +1,165 @@
+"""W2, parameter exchange: time per step of push + fresh parameters back, against gloo.
+
+For flat float32 parameters of 1, 10 and 100 MB and 2 trainer workers, measured side by side
+in one run (medians of ``--repeats`` runs of ``--steps`` steps each, after warm-up):
+
+* dasktrain: two trainer tasks on a 2-process LocalCluster push gradients to the
+  ParameterHolder actor in ``sync`` mode (batch-size-weighted average + one SGD step on the
+  holder) and load the parameters it sends back into their model;
+* baseline: ``torch.distributed`` gloo ``all_reduce`` of the same buffer across 2 processes,
+  divided by 2, then the same SGD step in each process (what DDP does per step).
+
+Run: ``.venv/bin/python benchmarks/holder.py`` (``--sizes 1 10 100 --steps 20 --repeats 3``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import socket
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from distributed import Client, LocalCluster, get_worker, secede
+
+import dasktrain as dt
+from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.handle import HolderHandle
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+
+WORKERS = 2
+LR = 1e-3
+
+
+class FlatParameters(torch.nn.Module):
+    """A model that is nothing but ``size`` float32 parameters."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(size))
+
+
+def _model(size: int) -> torch.nn.Module:
+    return FlatParameters(size)
+
+
+def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> dict:
+    secede()
+    torch.set_num_threads(1)
+    flat = FlatModel(_model(size))
+    handle = HolderHandle(holder, timeout=120)
+    info = handle.request("join", worker, get_worker().address, flat.layout)
+    flat.load(info["params"])
+    version = info["version"]
+    flat.grads.copy_(torch.rand(size))  # a fixed, finite "gradient"
+    times = []
+    for step in range(warmup + steps):
+        t0 = time.perf_counter()
+        future = handle.call("push", worker, version, flat.payload(), 1, 0.0, (0, step + 1))
+        params, version = handle.wait(future, "push")
+        flat.load(params)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    handle.request("leave", worker)
+    return {"median_s": statistics.median(times), "local": handle.local}
+
+
+def dasktrain_step(client: Client, size: int, steps: int, warmup: int) -> tuple[float, str]:
+    addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    config = HolderConfig(model=functools.partial(_model, size), optimizer=dt.optim.sgd(LR),
+                          workers=WORKERS, mode="sync")
+    holder_future = client.submit(ParameterHolder, config, actor=True, workers=[addresses[0]],
+                                  pure=False)
+    holder = holder_future.result()
+    holder.begin_epoch(0).result()
+    futures = [client.submit(_exchange_task, holder, w, size, steps, warmup, pure=False,
+                             workers=[addresses[w % len(addresses)]])
+               for w in range(WORKERS)]
+    results = client.gather(futures)
+    holder.close().result()
+    holder_future.release()
+    # A step is over when the slower of the two workers has its parameters back.
+    placement = "+".join("local" if r["local"] else "remote" for r in results)
+    return max(r["median_s"] for r in results), placement
+
+
+def _gloo_process(rank: int, port: int, size: int, steps: int, warmup: int, out) -> None:
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                  world_size=WORKERS)
+    param = torch.zeros(size)
+    grad = torch.rand(size)
+    buffer = torch.empty(size)
+    times = []
+    for step in range(warmup + steps):
+        buffer.copy_(grad)  # all_reduce works in place: keep the gradient for the next step
+        t0 = time.perf_counter()
+        torch_dist.all_reduce(buffer)
+        buffer.div_(WORKERS)
+        param.add_(buffer, alpha=-LR)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    torch_dist.destroy_process_group()
+    out.put((rank, statistics.median(times)))
+
+
+def gloo_step(size: int, steps: int, warmup: int) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_process, args=(r, port, size, steps, warmup, out))
+             for r in range(WORKERS)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    return max(t for _, t in results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 10, 100],
+                        help="parameter sizes in MB (default 1 10 100)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
+                      host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        for mb in args.sizes:
+            size = int(mb * 1e6 / 4)
+            ours, theirs = [], []
+            placement = ""
+            for _ in range(args.repeats):
+                seconds, placement = dasktrain_step(client, size, args.steps, args.warmup)
+                ours.append(seconds)
+                theirs.append(gloo_step(size, args.steps, args.warmup))
+            a, b = statistics.median(ours), statistics.median(theirs)
+            rows.append((mb, a, b, placement))
+            print(f"{mb:g} MB: dasktrain {a * 1e3:.1f} ms, gloo {b * 1e3:.1f} ms, "
+                  f"ratio {a / b:.2f}x", flush=True)
+    print("\n| parameters | dasktrain holder, sync (ms/step) | gloo all_reduce + SGD (ms/step) "
+          "| ratio |")
+    print("|---|---|---|---|")
+    for mb, a, b, _ in rows:
+        print(f"| {mb:g} MB | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |")
+    print(f"\n(2 trainer workers, holder placement: {rows[0][3]}; medians of "
+          f"{args.repeats} x {args.steps} steps; numpy {np.__version__}, torch "
+          f"{torch.__version__})")
+
+
+if __name__ == "__main__":
+    main()

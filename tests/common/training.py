@@ -1,0 +1,87 @@
+"""Small models, losses and reference training loops shared by the trainer tests."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+import dasktrain as dt
+
+
+def mlp(width: int = 4, hidden: int = 8, out: int = 1, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, out))
+
+
+def random_init(directory: str) -> torch.nn.Module:
+    """An MLP with a fresh random initialisation per call, recorded in ``directory``."""
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    torch.save(flat_parameters(model), Path(directory) / f"init-{os.urandom(6).hex()}.pt")
+    return model
+
+
+def mlp_from(values: torch.Tensor) -> torch.nn.Module:
+    model = mlp()
+    torch.nn.utils.vector_to_parameters(values, model.parameters())
+    return model
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target.reshape(output.shape))
+
+
+def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+
+def torch_optimizer(config: dt.optim.OptimizerConfig, model: torch.nn.Module):
+    """The same optimizer, built the ordinary way over the model's own tensors."""
+    return config.build(list(model.parameters()))
+
+
+def one_process(dataset, make, config, batch_size: int, epochs: int, client, seed: int = 0
+                ) -> torch.Tensor:
+    """Plain single-process training on the same global order, ``batch_size`` per step."""
+    model = make()
+    optimizer = torch_optimizer(config, model)
+    pipe = dt.Pipeline(dataset, batch_size, seed=seed, client=client)
+    step = 0
+    for _ in range(epochs):
+        for x, y in pipe:
+            for group in optimizer.param_groups:
+                group["lr"] = config.lr_at(step)
+            optimizer.zero_grad()
+            mse(model(x), y).backward()
+            optimizer.step()
+            step += 1
+    return flat_parameters(model)
+
+
+def nan_on(output: torch.Tensor, target: torch.Tensor, special: float) -> torch.Tensor:
+    """MSE, but NaN for the one batch that holds the sample whose target is ``special``."""
+    loss = mse(output, target)
+    return loss * float("nan") if bool((target == special).any()) else loss
+
+
+_CALLS: collections.Counter = collections.Counter()
+
+
+def kill_once(output: torch.Tensor, target: torch.Tensor, marker: str, calls: int,
+              holder: str | None, on_holder: bool) -> torch.Tensor:
+    """MSE; the ``calls``-th call in a process kills that process (SIGKILL), once per test
+    (``marker`` file), on the holder's worker or on another one as ``on_holder`` says."""
+    from distributed import get_worker
+
+    here = get_worker().address
+    if (here == holder) == on_holder:
+        _CALLS[marker] += 1
+        if _CALLS[marker] >= calls and not Path(marker).exists():
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return mse(output, target)

@@ -1,0 +1,226 @@
+"""The trainer on a real cluster: sync equals one process, async converges, checkpoints
+resume exactly, bad pushes are refused."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import dasktrain as dt
+from dasktrain.trainer.flat import FlatLayout, FlatModel
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from tests.common.training import (
+    flat_parameters,
+    mlp,
+    mlp_from,
+    mse,
+    nan_on,
+    one_process,
+    random_init,
+)
+
+
+@pytest.fixture(scope="module")
+def regression(client, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer") / "reg.zarr"
+    return dt.prepare("regression", out, client=client, samples=600, width=4, chunk_rows=100,
+                      seed=3, progress=False)
+
+
+def _trainer(mode="sync", workers=2, batch_size=16, optimizer=None, **kw):
+    return dt.Trainer(mlp, mse, optimizer or dt.optim.sgd(0.05, momentum=0.9,
+                                                          weight_decay=1e-3),
+                      mode=mode, workers=workers, batch_size=batch_size, progress=False, **kw)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_sync_equals_one_process_on_the_union_batch(client, regression, workers):
+    config = dt.optim.sgd(0.05, momentum=0.9, weight_decay=1e-3)
+    trainer = _trainer("sync", workers, 16, config)
+    history = trainer.fit(regression, epochs=2, client=client)
+    expected = one_process(regression, mlp, config, workers * 16, 2, client)
+    torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
+                               atol=1e-6)
+    steps = 2 * math.ceil(math.ceil(600 / 16) / workers)
+    assert history.updates == steps
+    assert history.staleness == [0] * len(history.staleness)
+    assert sum(history.samples) == 2 * 600
+
+
+@pytest.mark.parametrize("config", [dt.optim.adam(0.01), dt.optim.adamw(0.01),
+                                    dt.optim.sgd(0.05, momentum=0.9, nesterov=True,
+                                                 warmup_steps=5, schedule="cosine")],
+                         ids=["adam", "adamw", "sgd-nesterov-warmup-cosine"])
+def test_sync_optimizers_on_the_holder_equal_torch_optim(client, regression, config):
+    trainer = _trainer("sync", 2, 16, config)
+    trainer.fit(regression, epochs=1, client=client)
+    if config.schedule == "cosine":  # the fit's length sets the decay
+        config = dt.optim.sgd(0.05, momentum=0.9, nesterov=True, warmup_steps=5,
+                              schedule="cosine", total_steps=trainer.history.updates)
+    expected = one_process(regression, mlp, config, 32, 1, client)
+    torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_async_converges_and_records_staleness(client, regression):
+    trainer = _trainer("async", 2, 16, dt.optim.sgd(0.05))
+    before = trainer.evaluate(regression, client=client)["loss"]
+    history = trainer.fit(regression, epochs=3, client=client, validation=regression)
+    after = history.epochs[-1]["validation"]["loss"]
+    assert after < 0.5 * before
+    assert history.updates == 3 * math.ceil(600 / 16)
+    assert len(history.staleness) == history.updates
+    assert min(history.staleness) >= 0 and max(history.staleness) >= 1
+    assert set(history.staleness_worker) == {0, 1}
+    assert history.summary()["mean_staleness"] > 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_nonfinite_gradients_are_refused_and_counted(client, regression, mode):
+    special = float(regression.y[123, 0].compute())
+    loss = functools.partial(nan_on, special=special)
+    trainer = dt.Trainer(mlp, loss, dt.optim.sgd(0.05), mode=mode, workers=2, batch_size=16,
+                         progress=False)
+    history = trainer.fit(regression, epochs=2, client=client)
+    assert history.refused_gradients == 2  # one batch per epoch holds sample 123
+    assert torch.isfinite(flat_parameters(trainer.model)).all()
+    assert sum("non-finite" in e for e in history.events) == 2
+
+
+def test_checkpoint_resume_ends_with_the_same_parameters(client, regression, tmp_path):
+    straight = _trainer("sync")
+    straight.fit(regression, epochs=3, client=client)
+    first = _trainer("sync")
+    first.fit(regression, epochs=1, client=client, checkpoint=tmp_path / "run")
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    resumed = _trainer("sync")
+    history = resumed.fit(regression, epochs=3, client=client, resume=tmp_path / "run",
+                          checkpoint=tmp_path / "run")
+    assert torch.equal(flat_parameters(resumed.model), flat_parameters(straight.model))
+    assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
+    assert history.updates == straight.history.updates
+
+
+def test_resume_refuses_another_setup(client, regression, tmp_path):
+    _trainer("sync").fit(regression, epochs=1, client=client, checkpoint=tmp_path / "run")
+    with pytest.raises(ValueError, match="workers=2, this trainer workers=3"):
+        _trainer("sync", workers=3).fit(regression, epochs=2, client=client,
+                                         resume=tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        _trainer().fit(regression, epochs=2, client=client, resume=tmp_path / "nothing")
+
+
+def test_save_and_load_round_trip(client, regression, tmp_path):
+    trainer = _trainer("async", optimizer=dt.optim.adam(0.01))
+    trainer.fit(regression, epochs=1, client=client)
+    path = trainer.save(tmp_path / "model.pt")
+    loaded = dt.Trainer.load(path, model=mlp, loss=mse)
+    assert torch.equal(flat_parameters(loaded.model), flat_parameters(trainer.model))
+    assert loaded.mode == "async" and loaded.optimizer == trainer.optimizer
+    assert loaded.history.updates == trainer.history.updates
+    with pytest.raises(RuntimeError):
+        dt.Trainer.load(path, model=functools.partial(mlp, hidden=9), loss=mse)
+
+
+def test_holder_refuses_mismatched_models(client):
+    config = HolderConfig(model=mlp, optimizer=dt.optim.sgd(0.1), workers=2)
+    future = client.submit(ParameterHolder, config, actor=True, pure=False)
+    holder = future.result()
+    try:
+        other = FlatLayout.of(mlp(hidden=9))
+        with pytest.raises(ValueError, match="model does not match the holder's"):
+            holder.join(0, None, other).result(timeout=30)
+        good = FlatLayout.of(mlp())
+        info = holder.join(0, None, good).result(timeout=30)
+        assert info["version"] == 0 and info["params"].shape == (good.size,)
+        wrong = np.zeros(good.size + 3, dtype=np.float32)
+        with pytest.raises(ValueError, match="model differs from the holder's"):
+            holder.push(0, 0, wrong, 4, 0.0, (0, 1)).result(timeout=30)
+        with pytest.raises(ValueError, match="unknown worker 5"):
+            holder.push(5, 0, None, 0, 0.0, (0, 1)).result(timeout=30)
+    finally:
+        holder.close().result(timeout=30)
+        future.release()
+
+
+def test_workers_start_from_the_holders_parameters(client, regression, tmp_path):
+    make = functools.partial(random_init, str(tmp_path))
+    trainer = dt.Trainer(make, mse, dt.optim.sgd(0.05), workers=2, batch_size=16,
+                         progress=False)
+    trainer.fit(regression, epochs=1, client=client)
+    inits = [torch.load(p) for p in sorted(tmp_path.glob("init-*.pt"))]
+    assert len({tuple(i.tolist()) for i in inits}) == len(inits) >= 4  # all different
+    # Sync from the holder's initialisation equals one process started there; had a
+    # worker computed its first gradient at its own initialisation, nothing would match.
+    matches = []
+    for init in inits:
+        start = functools.partial(mlp_from, init)
+        expected = one_process(regression, start, dt.optim.sgd(0.05), 32, 1, client)
+        matches.append(torch.allclose(flat_parameters(trainer.model), expected, rtol=1e-5,
+                                      atol=1e-6))
+    assert sum(matches) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "bogus"}, "unknown mode 'bogus'"),
+    ({"mode": "sync", "average_every": 3}, "takes no option"),
+    ({"workers": 0}, "workers must be a positive integer"),
+    ({"batch_size": -1}, "batch_size must be a positive integer"),
+    ({"checkpoint_every": 0}, "checkpoint_every must be >= 1"),
+])
+def test_bad_trainer_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dt.Trainer(mlp, mse, dt.optim.sgd(0.1), progress=False, **kwargs)
+
+
+def test_bad_optimizer_settings_are_refused():
+    with pytest.raises(TypeError, match=r"dt\.optim"):
+        dt.Trainer(mlp, mse, torch.optim.SGD, progress=False)
+    for bad, message in [(dict(lr=0), "lr must be"), (dict(lr=1, momentum=1), "momentum"),
+                         (dict(lr=1, nesterov=True), "nesterov"),
+                         (dict(lr=1, schedule="zigzag"), "schedule must be")]:
+        with pytest.raises(ValueError, match=message):
+            dt.optim.sgd(**bad)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        dt.optim.get_optimizer("lion", lr=1)
+
+
+def test_batch_larger_than_dataset_is_refused(client, regression):
+    with pytest.raises(ValueError, match="larger than the 600 samples"):
+        _trainer(batch_size=601).fit(regression, epochs=1, client=client)
+
+
+def test_learning_rate_schedules():
+    config = dt.optim.sgd(1.0, warmup_steps=4, schedule="cosine", total_steps=14)
+    rates = [config.lr_at(t) for t in range(16)]
+    assert rates[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert rates[4] == 1.0 and rates[9] == pytest.approx(0.5) and rates[14] == 0.0
+    step = dt.optim.sgd(1.0, schedule="step", step_size=3, gamma=0.5)
+    assert [step.lr_at(t) for t in range(7)] == [1, 1, 1, 0.5, 0.5, 0.5, 0.25]
+    linear = dt.optim.adam(1.0, schedule="linear")
+    assert linear.lr_at(5, total_steps=10) == 0.5
+
+
+def test_flat_model_gradients_and_buffers_live_in_one_buffer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                               torch.nn.Linear(4, 1))
+    twin.load_state_dict(model.state_dict())
+    flat = FlatModel(model)
+    x = torch.randn(8, 3)
+    model(x).sum().backward()
+    twin(x).sum().backward()
+    payload = flat.payload()
+    grads = torch.cat([p.grad.reshape(-1) for p in twin.parameters()])
+    buffers = torch.cat([twin[1].running_mean, twin[1].running_var])
+    assert flat.layout.size == grads.numel() + buffers.numel()
+    torch.testing.assert_close(torch.from_numpy(payload.copy()), torch.cat([grads, buffers]))
+    flat.load(np.arange(flat.layout.size, dtype=np.float32))
+    assert model[0].weight.reshape(-1)[0] == 0 and model[1].running_var[-1] == \
+        flat.layout.size - 1

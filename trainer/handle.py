@@ -1,0 +1,81 @@
+"""Calling the holder from a trainer worker: in-process when they share a process, over
+the actor's RPC otherwise, and never waiting without a deadline and a liveness check."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from distributed import get_client, get_worker
+
+from dasktrain.trainer.errors import HolderLost, TrainerError
+
+__all__ = ["HolderHandle"]
+
+_SLICE = 2.0  # seconds between liveness checks while waiting
+
+
+class HolderHandle:
+    """A worker's view of the holder actor.
+
+    When the holder lives in the calling worker's own process, calls go straight to the
+    actor object on the worker's event loop: the payload is handed over by reference instead
+    of being serialised and sent through a loopback socket.
+    """
+
+    def __init__(self, actor: Any, timeout: float) -> None:
+        self.actor = actor
+        self.timeout = timeout
+        # The actor's address is not public API; it names the worker holding the actor.
+        self.address: str = actor._address
+        self._local = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            worker = get_worker()
+        except ValueError:
+            worker = None
+        if worker is not None and worker.address == self.address:
+            self._local = worker.state.actors.get(actor.key)
+            self._loop = worker.loop.asyncio_loop
+
+    @property
+    def local(self) -> bool:
+        return self._local is not None
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Start ``method(*args)`` on the holder; returns something with ``.result(timeout)``."""
+        if self._local is not None:
+            coroutine = getattr(self._local, method)(*args)
+            return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return getattr(self.actor, method)(*args)
+
+    def wait(self, future: Any, what: str, timeout: float | None = None) -> Any:
+        """The result of ``future``, failing clearly if the holder's worker dies or nothing
+        comes within ``timeout`` seconds."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while True:
+            try:
+                return future.result(timeout=min(_SLICE, max(deadline - time.monotonic(),
+                                                             0.01)))
+            except TimeoutError:
+                if not self.holder_alive():
+                    raise HolderLost(f"the parameter holder's worker {self.address} died "
+                                     f"while waiting for {what}") from None
+                if time.monotonic() >= deadline:
+                    raise TrainerError(f"no answer from the parameter holder for {what} "
+                                       f"after {timeout or self.timeout:.0f}s") from None
+            except OSError as exc:
+                raise HolderLost(f"cannot reach the parameter holder's worker "
+                                 f"{self.address}: {exc}") from exc
+
+    def request(self, method: str, *args: Any, what: str | None = None) -> Any:
+        """Call and wait."""
+        return self.wait(self.call(method, *args), what or method)
+
+    def holder_alive(self) -> bool:
+        try:
+            workers = get_client().scheduler_info(n_workers=-1).get("workers", {})
+        except Exception:  # cannot tell right now: keep waiting until the deadline
+            return True
+        return self.address in workers

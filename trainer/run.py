@@ -1,0 +1,201 @@
+"""One ``fit`` on a cluster: place the holder, run worker tasks epoch by epoch, watch them.
+
+The driver (the process that called ``fit``) never touches gradients. It starts the holder
+actor, submits one worker task per trainer worker and epoch, and while they run it polls
+the holder for progress (a small message every half second), which also serves as the
+liveness check: a dead holder fails the fit at once with the checkpoint to resume from; a
+dead trainer worker is the holder's business (its barrier drops it) and Dask's (the task is
+rerun and rejoins).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distributed import Client, Future, wait
+from distributed.client import FutureCancelledError
+
+from dasktrain.trainer.checkpoint import save_checkpoint
+from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.history import History
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.worker import WorkerConfig, run_worker
+
+__all__ = ["FitRun"]
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.5  # seconds between progress polls of the holder
+
+
+class FitRun:
+    """The cluster side of one :meth:`Trainer.fit`."""
+
+    def __init__(self, client: Client, holder_config: HolderConfig,
+                 worker_config: WorkerConfig, *, holder_worker: str | None, timeout: float,
+                 checkpoint: str | None, checkpoint_every: int | None,
+                 checkpoint_extra: Callable[[], dict[str, Any]], history: History,
+                 progress: Any) -> None:
+        self.client = client
+        self.worker_config = worker_config
+        self.timeout = timeout
+        self.checkpoint = checkpoint
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_extra = checkpoint_extra
+        self.history = history
+        self.progress = progress
+        self.last_checkpoint: Path | None = None
+        self._next_checkpoint: int | None = None
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        if not workers:
+            raise TrainerError("the Dask cluster has no workers")
+        self.addresses = sorted(workers)
+        self._gpu = any("GPU" in (w.get("resources") or {}) for w in workers.values())
+        target = holder_worker or _roomiest(workers)
+        if target not in workers:
+            raise ValueError(f"holder_worker {target!r} is not a worker of this cluster; "
+                             f"workers: {self.addresses}")
+        self._holder_future: Future = client.submit(
+            ParameterHolder, holder_config, actor=True, workers=[target],
+            allow_other_workers=False, pure=False)
+        try:
+            self.holder = self._holder_future.result(timeout=timeout)
+        except Exception as exc:
+            raise TrainerError(f"could not start the parameter holder on {target}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        self.holder_address = target
+        self.version = 0
+
+    # -- holder calls from the driver --------------------------------------------------
+    def call(self, method: str, *args: Any) -> Any:
+        """Call the holder and wait, failing fast if its worker is gone."""
+        if not self.holder_alive():
+            self._holder_lost()
+        future = getattr(self.holder, method)(*args)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return future.result(timeout=2)
+            except TimeoutError:
+                if not self.holder_alive():
+                    self._holder_lost()
+                if time.monotonic() > deadline:
+                    raise TrainerError(f"the parameter holder did not answer {method} in "
+                                       f"{self.timeout:.0f}s") from None
+
+    def holder_alive(self) -> bool:
+        return self.holder_address in self.client.scheduler_info(n_workers=-1)["workers"]
+
+    def _holder_lost(self) -> None:
+        where = (f"resume with fit(..., resume={str(self.last_checkpoint)!r})"
+                 if self.last_checkpoint else
+                 "no checkpoint was written yet (pass checkpoint= to fit to have one)")
+        raise HolderLost(f"the parameter holder's worker {self.holder_address} died at "
+                         f"version {self.version}; {where}")
+
+    # -- epochs ------------------------------------------------------------------------
+    def run_epoch(self, epoch: int, fresh: bool) -> list[dict[str, Any]]:
+        """Run every worker's share of ``epoch``; returns their reports."""
+        self.call("begin_epoch", epoch, fresh)
+        config = self.worker_config
+        extra = {"resources": {"GPU": 1}} if self._gpu else {}
+        futures = [
+            self.client.submit(run_worker, config, self.holder, w, epoch, pure=False,
+                               key=f"dasktrain-trainer-{w}-epoch-{epoch}-{time.time_ns()}",
+                               workers=[self.addresses[w % len(self.addresses)]],
+                               allow_other_workers=True, **extra)
+            for w in range(config.workers)
+        ]
+        reports: list[dict[str, Any]] = []
+        pending = set(futures)
+        try:
+            while pending:
+                try:
+                    done = wait(pending, timeout=_POLL, return_when="FIRST_COMPLETED").done
+                except TimeoutError:
+                    done = set()
+                for future in done:
+                    pending.discard(future)
+                    reports.extend(self._collect(future))
+                self.poll()
+        except BaseException as exc:
+            self._stop_workers(futures, exc)
+            raise
+        self.poll()
+        return reports
+
+    def _collect(self, future: Future) -> list[dict[str, Any]]:
+        try:
+            return [future.result()]
+        except (FutureCancelledError, Exception) as exc:
+            if type(exc).__name__ == "KilledWorker":
+                # Its process died more often than Dask retries; the others carry on.
+                self.history.events.append(f"a trainer worker task was given up: {exc}")
+                return []
+            if isinstance(exc, HolderLost) or not self.holder_alive():
+                self._holder_lost()
+            raise TrainerError(f"a trainer worker failed: {type(exc).__name__}: {exc}") \
+                from exc
+
+    def _stop_workers(self, futures: list[Future], exc: BaseException) -> None:
+        try:
+            if self.holder_alive():
+                self.holder.abort(f"the fit stopped: {type(exc).__name__}: {exc}").result(
+                    timeout=10)
+        except Exception:  # best effort: the holder may be the thing that failed
+            logger.debug("could not abort the holder", exc_info=True)
+        self.client.cancel(futures)
+
+    def poll(self) -> None:
+        """Fetch the holder's progress into the History; checkpoint when it is time."""
+        progress = self.call("progress")
+        self.version = progress["version"]
+        self.history.extend(progress["records"])
+        self.history.events.extend(progress["events"])
+        self.history.refused_gradients = progress["refused"]
+        if self.progress is not None and progress["records"]["loss"]:
+            records = progress["records"]
+            self.progress.update(len(records["loss"]))
+            self.progress.set_postfix(epoch=progress["epoch"], loss=f"{records['loss'][-1]:.4g}")
+        if self.checkpoint and self.checkpoint_every:
+            if self._next_checkpoint is None:
+                self._next_checkpoint = self.version + self.checkpoint_every
+            if self.version >= self._next_checkpoint:
+                self.save(complete_epochs=None)
+                self._next_checkpoint = self.version + self.checkpoint_every
+
+    def save(self, complete_epochs: int | None) -> None:
+        """Write the run's checkpoint (``complete_epochs=None``: mid-epoch)."""
+        if not self.checkpoint:
+            return
+        holder_state = self.call("state_dict")
+        extra = self.checkpoint_extra()
+        if complete_epochs is None:
+            complete_epochs = int(holder_state["epoch"])
+        self.last_checkpoint = save_checkpoint(self.checkpoint, {
+            "holder": holder_state, "complete_epochs": complete_epochs,
+            "history": self.history.to_dict(), **extra})
+        logger.info("checkpoint at version %d: %s", holder_state["version"],
+                    self.last_checkpoint)
+
+    def parameters(self) -> Any:
+        params, version = self.call("pull")
+        self.version = version
+        return params
+
+    def close(self) -> None:
+        try:
+            if self.holder_alive():
+                self.holder.close().result(timeout=10)
+        except Exception:
+            logger.debug("could not close the holder", exc_info=True)
+        self._holder_future.release()
+
+
+def _roomiest(workers: dict[str, dict[str, Any]]) -> str:
+    """The worker with the most memory (actor state is not spillable), first by address."""
+    return max(sorted(workers), key=lambda a: workers[a].get("memory_limit") or 0)

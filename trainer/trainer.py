@@ -1,0 +1,371 @@
+"""``Trainer``: data-parallel training on a Dask cluster through a central parameter holder."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from distributed import Client
+
+from dasktrain._cluster import cluster_client
+from dasktrain.datasets import Dataset, open_dataset
+from dasktrain.pipeline import EpochPlan, Pipeline
+from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.history import History
+from dasktrain.trainer.holder import HolderConfig
+from dasktrain.trainer.modes import mode_class
+from dasktrain.trainer.optim import OptimizerConfig
+from dasktrain.trainer.run import FitRun
+from dasktrain.trainer.worker import LossFunction, WorkerConfig
+
+__all__ = ["Trainer"]
+
+ModelSpec = Callable[[], torch.nn.Module] | torch.nn.Module
+Callback = Callable[["Trainer", dict[str, Any]], Any]
+_PIPELINE_OPTIONS = ("shuffle", "seed", "transform", "prefetch", "shuffle_blocks",
+                     "block_rows", "drop_last")
+
+
+def _copy_of(module: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(module)
+
+
+def _factory(model: ModelSpec) -> Callable[[], torch.nn.Module]:
+    if isinstance(model, torch.nn.Module):
+        return functools.partial(_copy_of, model)
+    if callable(model):
+        return model
+    raise TypeError(f"model must be a torch.nn.Module or a function returning one, got "
+                    f"{type(model).__name__}")
+
+
+class Trainer:
+    """Train one model with ``workers`` replicas on a Dask cluster.
+
+    Each worker is a long-running Dask task with its own model replica and its own shard
+    of every epoch (a :class:`~dasktrain.Pipeline` with ``rank=worker``). It pushes each
+    batch's gradient to the parameter holder, an actor on one worker that runs the
+    optimizer, and continues from the parameters the holder sends back.
+
+    Parameters
+    ----------
+    model
+        A function returning a fresh ``torch.nn.Module`` (called once on the holder, whose
+        parameters every worker then starts from, and once per worker) or a module (copied).
+    loss
+        ``loss(output, target) -> scalar tensor``, a mean over the batch (e.g.
+        ``torch.nn.functional.cross_entropy``).
+    optimizer
+        ``dt.optim.sgd(...)``, ``dt.optim.adam(...)`` or ``dt.optim.adamw(...)``.
+    mode
+        ``"sync"`` (all workers' gradients averaged per step: the same as one process
+        training on the union of their batches) or ``"async"`` (each gradient applied on
+        arrival; its staleness is recorded).
+    workers
+        Model replicas (Dask tasks).
+    batch_size
+        Samples per batch **per worker**, as in DDP: a ``sync`` step averages ``workers``
+        batches, so the global batch is ``workers x batch_size``.
+    seed, shuffle, transform, prefetch, shuffle_blocks, block_rows, drop_last
+        Passed to each worker's :class:`~dasktrain.Pipeline`.
+    device
+        Device of the workers' replicas; default CUDA where a worker sees a GPU, else CPU.
+        When the cluster's workers declare a ``GPU`` resource, each trainer task asks for 1.
+    holder_worker
+        Address of the worker to hold the parameters; default: the one with most memory.
+    timeout
+        Seconds any single wait (a batch, an exchange) may take before failing.
+    barrier_timeout
+        Seconds a ``sync`` step waits for a silent (but alive) worker before going on
+        without it.
+    checkpoint_every
+        Also checkpoint every this many updates, not only at epoch ends.
+    progress
+        Show a progress bar (notebook-aware).
+    torch_threads
+        Intra-op threads of torch in each worker process (1 keeps workers from
+        oversubscribing the cores; 0 leaves torch's default).
+    **mode_options
+        Options of the mode.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        loss: LossFunction,
+        optimizer: OptimizerConfig,
+        mode: str = "sync",
+        workers: int = 2,
+        batch_size: int = 32,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        transform: Callable | None = None,
+        prefetch: int = 4,
+        shuffle_blocks: int = 1,
+        block_rows: int | None = None,
+        drop_last: bool = False,
+        device: str | None = None,
+        holder_worker: str | None = None,
+        timeout: float = 300.0,
+        barrier_timeout: float = 120.0,
+        checkpoint_every: int | None = None,
+        progress: bool = True,
+        torch_threads: int = 1,
+        **mode_options: Any,
+    ) -> None:
+        self._factory = _factory(model)
+        if not callable(loss):
+            raise TypeError("loss must be a callable loss(output, target) -> tensor")
+        if not isinstance(optimizer, OptimizerConfig):
+            raise TypeError("optimizer must come from dt.optim (e.g. dt.optim.sgd(lr=0.1))")
+        mode_class(mode)(None, **mode_options)  # unknown modes and options fail here
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
+        if timeout <= 0 or barrier_timeout <= 0:
+            raise ValueError("timeout and barrier_timeout must be positive")
+        self.loss = loss
+        self.optimizer = optimizer
+        self.mode = mode
+        self.mode_options = mode_options
+        self.workers = workers
+        self.batch_size = batch_size
+        self.pipeline_options = {"seed": seed, "shuffle": shuffle, "transform": transform,
+                                 "prefetch": prefetch, "shuffle_blocks": shuffle_blocks,
+                                 "block_rows": block_rows, "drop_last": drop_last}
+        self.device = device
+        self.holder_worker = holder_worker
+        self.timeout = timeout
+        self.barrier_timeout = barrier_timeout
+        self.checkpoint_every = checkpoint_every
+        self.show_progress = progress
+        self.torch_threads = torch_threads
+        self.model: torch.nn.Module = self._factory()
+        """A plain module holding the latest parameters (after :meth:`fit`)."""
+        self._flat: FlatModel | None = None
+        self.history: History | None = None
+        self.last_checkpoint: str | None = None
+
+    # -- data --------------------------------------------------------------------------
+    def _resolve(self, data: Dataset | Pipeline | str | os.PathLike
+                 ) -> tuple[Dataset, dict[str, Any]]:
+        options = dict(self.pipeline_options)
+        if isinstance(data, Pipeline):
+            if data.batch_size != self.batch_size:
+                raise ValueError(f"the pipeline's batch_size {data.batch_size} differs from "
+                                 f"the trainer's {self.batch_size} (per worker)")
+            options.update({k: getattr(data, k) for k in _PIPELINE_OPTIONS})
+            return data.dataset, options
+        return (data if isinstance(data, Dataset) else open_dataset(data)), options
+
+    def _plan(self, dataset: Dataset, options: dict[str, Any], epoch: int) -> EpochPlan:
+        return EpochPlan(dataset.start, dataset.stop, options["block_rows"] or
+                         dataset.chunk_rows, self.batch_size, options["seed"], epoch,
+                         options["shuffle"], options["shuffle_blocks"], options["drop_last"])
+
+    def _config(self) -> dict[str, Any]:
+        return {"mode": self.mode, "workers": self.workers, "batch_size": self.batch_size,
+                "seed": self.pipeline_options["seed"],
+                "optimizer": self.optimizer.to_dict(),
+                "mode_options": dict(self.mode_options)}
+
+    # -- training ----------------------------------------------------------------------
+    def fit(
+        self,
+        data: Dataset | Pipeline | str | os.PathLike,
+        epochs: int,
+        validation: Dataset | str | os.PathLike | None = None,
+        client: Client | None = None,
+        checkpoint: str | os.PathLike | None = None,
+        resume: str | os.PathLike | None = None,
+        callbacks: Iterable[Callback] = (),
+    ) -> History:
+        """Train for ``epochs`` epochs (counted from 0, so a resumed fit runs the rest).
+
+        Parameters
+        ----------
+        data
+            Training data: a dataset (or split), its path, or a :class:`Pipeline` whose
+            settings are used by every worker.
+        epochs
+            Total epochs.
+        validation
+            Evaluated (mean loss, and accuracy for class labels) after every epoch.
+        client
+            Dask client; default: a LocalCluster sized for this machine, started and
+            closed here.
+        checkpoint
+            Directory for the run's checkpoint, rewritten atomically at every epoch end
+            (and every ``checkpoint_every`` updates).
+        resume
+            A checkpoint (directory or file) to continue from.
+        callbacks
+            ``callback(trainer, epoch_record)`` after every epoch.
+        """
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        dataset, options = self._resolve(data)
+        if self.batch_size > len(dataset):
+            raise ValueError(f"batch_size {self.batch_size} is larger than the "
+                             f"{len(dataset)} samples of {dataset!r}")
+        state = load_checkpoint(resume) if resume is not None else None
+        if state is not None:
+            self._check_resumable(state)
+        history = History.from_dict(state["history"]) if state else \
+            History(mode=self.mode, workers=self.workers)
+        start = int(state["complete_epochs"]) if state else 0
+        lockstep = mode_class(self.mode).lockstep
+        per_epoch = [self._plan(dataset, options, e) for e in range(epochs)]
+        total_steps = sum(math.ceil(p.num_batches / self.workers) if lockstep
+                          else p.num_batches for p in per_epoch)
+        holder_config = HolderConfig(
+            model=self._factory, optimizer=self.optimizer, workers=self.workers,
+            mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
+            barrier_timeout=self.barrier_timeout, torch_threads=self.torch_threads)
+        worker_config = WorkerConfig(
+            model=self._factory, loss=self.loss, data=dataset, workers=self.workers,
+            batch_size=self.batch_size, lockstep=lockstep, pipeline_options=options,
+            device=self.device, torch_threads=self.torch_threads, timeout=self.timeout)
+        bar = self._progress_bar(total_steps, initial=len(history.loss))
+        started = time.perf_counter() - history.wall_time
+        with cluster_client(client) as c:
+            run = FitRun(c, holder_config, worker_config, holder_worker=self.holder_worker,
+                         timeout=self.timeout,
+                         checkpoint=str(checkpoint) if checkpoint is not None else None,
+                         checkpoint_every=self.checkpoint_every,
+                         checkpoint_extra=lambda: {"trainer": self._config()},
+                         history=history, progress=bar)
+            try:
+                if state is not None:
+                    run.call("load_state_dict", state["holder"])
+                    run.version = int(state["holder"]["version"])
+                for epoch in range(start, epochs):
+                    fresh = state is None or epoch != int(state["holder"]["epoch"])
+                    epoch_started = time.perf_counter()
+                    reports = run.run_epoch(epoch, fresh)
+                    self._load(run.parameters())
+                    record = self._epoch_record(epoch, reports,
+                                                time.perf_counter() - epoch_started)
+                    if validation is not None:
+                        record["validation"] = self.evaluate(validation, client=c)
+                    history.epochs.append(record)
+                    history.wall_time = time.perf_counter() - started
+                    run.save(complete_epochs=epoch + 1)
+                    for callback in callbacks:
+                        callback(self, record)
+                self._load(run.parameters())
+            finally:
+                if run.last_checkpoint is not None:
+                    self.last_checkpoint = str(run.last_checkpoint)
+                run.close()
+                if bar is not None:
+                    bar.close()
+        history.wall_time = time.perf_counter() - started
+        self.history = history
+        return history
+
+    def _check_resumable(self, state: dict[str, Any]) -> None:
+        mine, theirs = self._config(), state.get("trainer", {})
+        for key in ("mode", "workers", "batch_size", "seed"):
+            if theirs.get(key) != mine[key]:
+                raise ValueError(f"cannot resume: the checkpoint has {key}="
+                                 f"{theirs.get(key)!r}, this trainer {key}={mine[key]!r}")
+
+    def _progress_bar(self, total: int, initial: int) -> Any:
+        if not self.show_progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, unit="update",
+                    desc=f"{self.mode} x{self.workers}")
+
+    def _epoch_record(self, epoch: int, reports: list[dict[str, Any]], wall: float
+                      ) -> dict[str, Any]:
+        samples = sum(r["samples"] for r in reports)
+        return {
+            "epoch": epoch,
+            "wall_s": wall,
+            "samples": samples,
+            "samples_per_s": samples / wall if wall > 0 else 0.0,
+            "stall": float(np.mean([r["stall"] for r in reports])) if reports else None,
+            "exchange_s": float(np.mean([r["exchange_s"] for r in reports]))
+            if reports else None,
+            "workers_finished": len(reports),
+        }
+
+    def _load(self, values: np.ndarray) -> None:
+        if self._flat is None:
+            self._flat = FlatModel(self.model)
+        self._flat.load(values)
+
+    # -- evaluation and persistence ----------------------------------------------------
+    def evaluate(self, data: Dataset | str | os.PathLike, *, batch_size: int = 1024,
+                 client: Client | None = None) -> dict[str, float]:
+        """Mean loss of :attr:`model` over ``data`` (and accuracy when the targets are class
+        labels), with batches produced on the cluster."""
+        dataset = data if isinstance(data, Dataset) else open_dataset(data)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        total = correct = 0
+        loss_sum = 0.0
+        classes = False
+        with cluster_client(client) as c, Pipeline(
+                dataset, min(batch_size, len(dataset)), shuffle=False, client=c) as pipe, \
+                torch.no_grad():
+            for batch in pipe:
+                x, y = batch if isinstance(batch, tuple) else (batch, None)
+                output = model(x)
+                n = len(x)
+                loss_sum += float(self.loss(output, y) if y is not None
+                                  else self.loss(output)) * n
+                total += n
+                if y is not None and not y.is_floating_point() and output.ndim == 2:
+                    classes = True
+                    correct += int((output.argmax(dim=1) == y).sum())
+        model.train(was_training)
+        metrics = {"loss": loss_sum / max(total, 1)}
+        if classes:
+            metrics["accuracy"] = correct / max(total, 1)
+        return metrics
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Save the model's parameters, the trainer's settings and the history (atomic)."""
+        written = save_checkpoint(path, {
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "trainer": self._config(),
+            "history": self.history.to_dict() if self.history else None})
+        return str(written)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: ModelSpec,
+             loss: LossFunction = torch.nn.functional.mse_loss) -> Trainer:
+        """A trainer with the parameters saved by :meth:`save` (or the latest of a fit's
+        checkpoint). ``model`` builds the architecture: code is never read from the file."""
+        state = load_checkpoint(path)
+        config = state.get("trainer")
+        if config is None:
+            raise ValueError(f"{path} holds no trainer settings")
+        trainer = cls(model, loss, OptimizerConfig.from_dict(config["optimizer"]),
+                      config["mode"], config["workers"], config["batch_size"],
+                      seed=config["seed"], **config.get("mode_options", {}))
+        if "model" in state:
+            trainer.model.load_state_dict(state["model"])
+        else:  # a fit checkpoint: the holder's flat parameters then buffers
+            holder = state["holder"]
+            trainer._load(torch.cat([holder["params"], holder["buffers"]]).numpy())
+        if state.get("history"):
+            trainer.history = History.from_dict(state["history"])
+        return trainer

@@ -1,0 +1,115 @@
+"""The trainer worker: one model replica running as a long-lived Dask task.
+
+Per epoch, each worker task secedes from its worker's thread pool (so the pipeline's tasks
+can use that thread), builds the model, takes its starting parameters and position from the
+holder, then loops: batch -> forward/backward -> push the gradient -> load the parameters
+the holder sends back. While a push is on its way the next batch is already taken from the
+pipeline (whose prefetch runs on the cluster), so communication overlaps data work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from distributed import get_client, get_worker, secede
+
+from dasktrain.datasets import Dataset
+from dasktrain.pipeline import Pipeline
+from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.handle import HolderHandle
+
+__all__ = ["WorkerConfig", "pick_device", "run_worker"]
+
+LossFunction = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WorkerConfig:
+    """What every trainer worker needs; sent once per worker task."""
+
+    model: Callable[[], torch.nn.Module]
+    loss: LossFunction
+    data: Dataset
+    workers: int
+    batch_size: int
+    lockstep: bool
+    pipeline_options: dict[str, Any]
+    device: str | None = None
+    torch_threads: int = 1
+    timeout: float = 300.0
+
+
+def pick_device(requested: str | None) -> torch.device:
+    """``requested``, else CUDA when this process sees a GPU, else CPU."""
+    if requested is not None:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> dict[str, Any]:
+    """Train ``worker``'s share of ``epoch``; returns its counters."""
+    secede()  # free the thread for pipeline tasks; this task is not stolen once running
+    started = time.perf_counter()
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    device = pick_device(config.device)
+    flat = FlatModel(config.model(), device)
+    handle = HolderHandle(holder, config.timeout)
+    try:
+        address = get_worker().address
+    except ValueError:
+        address = None
+    info = handle.request("join", worker, address, flat.layout, what=f"worker {worker} to join")
+    flat.load(info["params"])
+    version = int(info["version"])
+    pipe = Pipeline(config.data, config.batch_size, rank=worker, world_size=config.workers,
+                    device=device, client=get_client(), **config.pipeline_options)
+    pipe.set_epoch(epoch)
+    plan = pipe.plan()
+    mine = len(plan.rank_batches(worker, config.workers))
+    steps = math.ceil(plan.num_batches / config.workers) if config.lockstep else mine
+    start = min(int(info["position"]), steps)
+    state = pipe.state_dict()
+    state["position"] = min(start, mine)
+    pipe.load_state_dict(state)
+    batches = iter(pipe)
+    compute = wait = 0.0
+    samples = 0
+
+    def take(step: int) -> Any:
+        return next(batches) if step < mine else None
+
+    batch = take(start)
+    for step in range(start, steps):
+        t0 = time.perf_counter()
+        payload, count, loss_value = None, 0, 0.0
+        if batch is not None:
+            x, y = batch if isinstance(batch, tuple) else (batch, None)
+            flat.zero_grad()
+            output = flat.model(x)
+            loss = config.loss(output, y) if y is not None else config.loss(output)
+            loss.backward()
+            payload, count, loss_value = flat.payload(), len(x), float(loss.detach())
+            samples += count
+        t1 = time.perf_counter()
+        position = (epoch, min(step + 1, mine))
+        future = handle.call("push", worker, version, payload, count, loss_value, position)
+        batch = take(step + 1) if step + 1 < steps else None  # overlaps the exchange
+        params, version = handle.wait(future, f"worker {worker}'s update at step {step}")
+        flat.load(params)
+        compute += t1 - t0
+        wait += time.perf_counter() - t1
+    for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
+        pass
+    handle.request("leave", worker, what=f"worker {worker} to leave")
+    elapsed = time.perf_counter() - started
+    return {"worker": worker, "epoch": epoch, "address": address, "steps": steps - start,
+            "samples": samples, "compute_s": compute, "exchange_s": wait,
+            "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
+            "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
+            "local_holder": handle.local}
