@@ -1,6 +1,7 @@
 # Two commands for a fresh machine:
 #   make demo   set up, then prepare, inspect and verify a dataset on an embedded LocalCluster,
-#               and train a small model from it through the pipeline
+#               feed a model from it through the pipeline, and train it with two replicas in
+#               sync and in async mode through the parameter holder
 #   make test   set up, then run the test suite
 #
 # The install puts a CPU build of torch in place first, so the project's `torch>=` range is
@@ -38,6 +39,7 @@ demo: setup
 	$(VENV)/bin/dasktrain info $(DEMO_DIR)/digits.zarr
 	$(VENV)/bin/dasktrain verify $(DEMO_DIR)/digits.zarr
 	$(PY) examples/pipeline_digits.py $(DEMO_DIR)/digits.zarr
+	$(PY) examples/train_digits.py $(DEMO_DIR)/digits.zarr
 
 test: setup
 	$(VENV)/bin/ruff check .
@@ -50,6 +52,7 @@ lint: setup
 bench: setup
 	$(PY) benchmarks/prepare.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/holder.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

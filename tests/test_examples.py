@@ -26,3 +26,37 @@ def test_pipeline_digits_example_trains(client, tmp_path):
     assert len(lines) == 2
     accuracy = float(lines[-1].split("val accuracy ")[1].split()[0])
     assert accuracy > 0.8, lines
+
+
+def _run_example(name: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / name), *args],
+        capture_output=True, text=True, timeout=170, cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.mark.slow
+def test_parabola_example_sync_agrees_with_one_process(tmp_path):
+    out = _run_example("parabola.py", "--epochs", "5", cwd=tmp_path).stdout
+    sync = next(line for line in out.splitlines() if line.startswith("sync"))
+    gap = float(sync.rsplit("= ", 1)[1])
+    assert gap < 1e-5
+    one = next(line for line in out.splitlines() if line.startswith("one process"))
+    assert one.split("final loss ")[1] == sync.split("final loss ")[1].split(",")[0]
+    assert "staleness mean" in next(line for line in out.splitlines()
+                                    if line.startswith("async"))
+
+
+@pytest.mark.slow
+def test_train_digits_example_trains_in_both_modes(client, tmp_path):
+    dt.prepare("digits", tmp_path / "digits.zarr", client=client, split="train=0.8,val=0.2",
+               normalize=True, progress=False)
+    out = _run_example("train_digits.py", str(tmp_path / "digits.zarr"), "--epochs", "2",
+                       cwd=tmp_path).stdout
+    for mode in ("sync", "async"):
+        last = [line for line in out.splitlines() if line.startswith(f"{mode:5s} epoch 1")]
+        assert float(last[0].split("val accuracy ")[1].split()[0]) > 0.85, out
+        done = next(line for line in out.splitlines() if line.startswith(f"{mode:5s} done"))
+        assert "samples/s" in done and "staleness" in done

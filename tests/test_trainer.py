@@ -100,7 +100,10 @@ def test_checkpoint_resume_ends_with_the_same_parameters(client, regression, tmp
     resumed = _trainer("sync")
     history = resumed.fit(regression, epochs=3, client=client, resume=tmp_path / "run",
                           checkpoint=tmp_path / "run")
-    assert torch.equal(flat_parameters(resumed.model), flat_parameters(straight.model))
+    # Equal to float tolerance: BLAS kernels may round the last bit differently with the
+    # alignment of received batches, so even two uninterrupted runs differ by ~1e-7.
+    torch.testing.assert_close(flat_parameters(resumed.model),
+                               flat_parameters(straight.model), rtol=1e-5, atol=1e-6)
     assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
     assert history.updates == straight.history.updates
 

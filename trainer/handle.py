@@ -35,9 +35,10 @@ class HolderHandle:
             worker = get_worker()
         except ValueError:
             worker = None
-        if worker is not None and worker.address == self.address:
-            self._local = worker.state.actors.get(actor.key)
+        if worker is not None:
             self._loop = worker.loop.asyncio_loop
+            if worker.address == self.address:
+                self._local = worker.state.actors.get(actor.key)
 
     @property
     def local(self) -> bool:
@@ -48,7 +49,14 @@ class HolderHandle:
         if self._local is not None:
             coroutine = getattr(self._local, method)(*args)
             return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        if self._loop is not None:
+            # Issue and await the actor call on the worker's event loop: one thread hop
+            # there and one back, instead of two each way through ActorFuture.result().
+            return asyncio.run_coroutine_threadsafe(self._remote(method, args), self._loop)
         return getattr(self.actor, method)(*args)
+
+    async def _remote(self, method: str, args: tuple) -> Any:
+        return await getattr(self.actor, method)(*args)
 
     def wait(self, future: Any, what: str, timeout: float | None = None) -> Any:
         """The result of ``future``, failing clearly if the holder's worker dies or nothing

@@ -120,7 +120,7 @@ class FitRun:
                     done = set()
                 for future in done:
                     pending.discard(future)
-                    reports.extend(self._collect(future))
+                    reports.extend(self._collect(future, futures.index(future)))
                 self.poll()
         except BaseException as exc:
             self._stop_workers(futures, exc)
@@ -128,13 +128,15 @@ class FitRun:
         self.poll()
         return reports
 
-    def _collect(self, future: Future) -> list[dict[str, Any]]:
+    def _collect(self, future: Future, worker: int) -> list[dict[str, Any]]:
         try:
             return [future.result()]
         except (FutureCancelledError, Exception) as exc:
             if type(exc).__name__ == "KilledWorker":
-                # Its process died more often than Dask retries; the others carry on.
-                self.history.events.append(f"a trainer worker task was given up: {exc}")
+                # Its process died more often than Dask retries; the others carry on, and
+                # the barrier must not wait for it any longer.
+                self.history.events.append(f"worker {worker} given up: {exc}")
+                self.call("drop", worker, "its task was given up (KilledWorker)")
                 return []
             if isinstance(exc, HolderLost) or not self.holder_alive():
                 self._holder_lost()

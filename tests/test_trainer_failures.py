@@ -1,0 +1,84 @@
+"""Killing processes under the trainer: a dead trainer worker never stalls the holder, a dead
+holder fails the fit fast and a mid-epoch checkpoint resumes to the same parameters."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dasktrain as dt
+from tests.common.training import flat_parameters, kill_once, mlp, mse
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    """A cluster of its own: these tests kill its worker processes (the nanny restarts them)."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def data(cluster_client, tmp_path_factory):
+    out = tmp_path_factory.mktemp("failures") / "reg.zarr"
+    return dt.prepare("regression", out, client=cluster_client, samples=1600, width=4,
+                      chunk_rows=200, seed=5, progress=False)
+
+
+def _holder_address(client: Client) -> str:
+    return sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+
+
+def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, data,
+                                                                 tmp_path):
+    holder = _holder_address(cluster_client)
+    loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=20,
+                             holder=holder, on_holder=False)
+    trainer = dt.Trainer(mlp, loss, dt.optim.sgd(0.05), mode="sync", workers=2,
+                         batch_size=8, holder_worker=holder, progress=False)
+    started = time.monotonic()
+    history = trainer.fit(data, epochs=2, client=cluster_client)
+    assert (tmp_path / "killed").exists()  # the process really died mid-epoch
+    assert time.monotonic() - started < 120
+    assert [e["epoch"] for e in history.epochs] == [0, 1]
+    # Either the barrier noticed the dead process and went on with worker 0 (then steps
+    # with one gradient), or the rerun task rejoined first and took up its position.
+    dropped = any("worker 1 dropped" in e for e in history.events)
+    rejoined = any("worker 1 rejoined" in e for e in history.events)
+    assert dropped or rejoined, history.events
+    assert (1 in history.contributors) == dropped
+    assert history.contributors.count(2) >= 100
+    assert torch.isfinite(flat_parameters(trainer.model)).all()
+
+
+def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_client, data,
+                                                                     tmp_path):
+    def trainer(loss):
+        return dt.Trainer(mlp, loss, dt.optim.sgd(0.05, momentum=0.9), mode="sync",
+                          workers=2, batch_size=8, holder_worker=_holder_address(
+                              cluster_client), checkpoint_every=10, progress=False)
+
+    straight = trainer(mse)
+    straight.fit(data, epochs=2, client=cluster_client)
+
+    # 100 steps per epoch: the holder's process dies in the middle of epoch 1.
+    loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=150,
+                             holder=_holder_address(cluster_client), on_holder=True)
+    interrupted = trainer(loss)
+    started = time.monotonic()
+    with pytest.raises(dt.HolderLost, match="resume with fit") as caught:
+        interrupted.fit(data, epochs=2, client=cluster_client, checkpoint=tmp_path / "run")
+    assert time.monotonic() - started < 60
+    assert str(tmp_path / "run" / "checkpoint.pt") in str(caught.value)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["complete_epochs"] == 1 and state["holder"]["epoch"] == 1
+
+    resumed = trainer(mse)
+    history = resumed.fit(data, epochs=2, client=cluster_client, resume=tmp_path / "run")
+    torch.testing.assert_close(flat_parameters(resumed.model),
+                               flat_parameters(straight.model), rtol=1e-5, atol=1e-6)
+    assert [e["epoch"] for e in history.epochs] == [0, 1]
