@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
+from dasktrain._cluster import worker_info
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
@@ -72,7 +73,7 @@ def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> d
 
 
 def dasktrain_step(client: Client, size: int, steps: int, warmup: int) -> tuple[float, str]:
-    addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    addresses = sorted(worker_info(client))
     config = HolderConfig(model=functools.partial(_model, size), optimizer=dt.optim.sgd(LR),
                           workers=WORKERS, mode="sync")
     holder_future = client.submit(ParameterHolder, config, actor=True, workers=[addresses[0]],

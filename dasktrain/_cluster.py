@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 from distributed import Client, LocalCluster
 
-__all__ = ["cluster_client", "default_local_cluster_options", "start_local_cluster"]
+__all__ = ["cluster_client", "default_local_cluster_options", "start_local_cluster",
+           "worker_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +93,13 @@ def start_local_cluster(n_workers: int | None = None,
         # Another cluster holding port 8787 only moves our (loopback) HTTP server elsewhere.
         warnings.filterwarnings("ignore", message="Port .* is already in use")
         return LocalCluster(**options)
+
+
+def worker_info(client: Client) -> dict[str, dict]:
+    """Per-worker information (address -> info), asked of the scheduler now.
+
+    Not ``client.scheduler_info()``: it returns a cached dict that the client's periodic
+    refresh, which carries no per-worker details, may overwrite between the fetch and the
+    read — a live worker would then look gone.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1).get("workers", {})

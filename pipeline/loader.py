@@ -20,7 +20,7 @@ from dask.base import tokenize
 from distributed import Client, Future, get_client, get_worker
 from distributed.client import FutureCancelledError
 
-from dasktrain._cluster import start_local_cluster
+from dasktrain._cluster import start_local_cluster, worker_info
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.plan import EpochPlan, Unit
@@ -284,7 +284,7 @@ class Pipeline:
                     raise PipelineError(f"the Dask client closed while waiting for {where}") \
                         from exc
                 if time.monotonic() >= deadline:
-                    workers = len(self.client.scheduler_info().get("workers", {}))
+                    workers = len(worker_info(self.client))
                     raise PipelineError(f"no data for {where} after {self.timeout:.0f}s "
                                         f"({workers} worker(s) alive)") from exc
             except (CancelledError, FutureCancelledError) as exc:

@@ -8,6 +8,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
+from dasktrain._cluster import worker_info
 from tests.common.data import indexed_dataset
 
 
@@ -242,7 +243,7 @@ def test_killed_worker_during_an_epoch_completes(tmp_path):
                 import os
                 import signal
 
-                victim = next(iter(own.scheduler_info()["workers"]))
+                victim = next(iter(worker_info(own)))
                 pid = own.run(os.getpid, workers=[victim])[victim]
                 os.kill(pid, signal.SIGKILL)
         seen = np.concatenate(ids)

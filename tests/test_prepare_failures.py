@@ -15,6 +15,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
+from dasktrain._cluster import worker_info
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -87,7 +88,7 @@ def test_killed_worker_during_prepare_still_gives_a_complete_dataset(tmp_path):
         worker.start()
         _wait_for(lambda: _chunk_files(tmp_path) >= 3 or not worker.is_alive(), 120,
                   "the first chunks to be written")
-        victim = next(iter(client.scheduler_info()["workers"]))
+        victim = next(iter(worker_info(client)))
         pid = client.run(os.getpid, workers=[victim])[victim]
         os.kill(pid, signal.SIGKILL)  # the nanny restarts it; its tasks are rescheduled
         worker.join(timeout=150)

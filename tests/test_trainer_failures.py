@@ -11,6 +11,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
+from dasktrain._cluster import worker_info
 from tests.common.training import flat_parameters, kill_once, mlp, mse
 
 
@@ -30,7 +31,10 @@ def data(cluster_client, tmp_path_factory):
 
 
 def _holder_address(client: Client) -> str:
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    """Where to put the holder, once the cluster is whole again (the nanny restarts the
+    process an earlier test killed; its new address must not change the choice midway)."""
+    client.wait_for_workers(2, timeout=60)
+    return sorted(worker_info(client))[0]
 
 
 def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, data,
@@ -57,17 +61,19 @@ def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, 
 
 def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_client, data,
                                                                      tmp_path):
-    def trainer(loss):
+    holder = _holder_address(cluster_client)
+
+    def trainer(loss, holder_worker=holder):
         return dt.Trainer(mlp, loss, dt.optim.sgd(0.05, momentum=0.9), mode="sync",
-                          workers=2, batch_size=8, holder_worker=_holder_address(
-                              cluster_client), checkpoint_every=10, progress=False)
+                          workers=2, batch_size=8, holder_worker=holder_worker,
+                          checkpoint_every=10, progress=False)
 
     straight = trainer(mse)
     straight.fit(data, epochs=2, client=cluster_client)
 
     # 100 steps per epoch: the holder's process dies in the middle of epoch 1.
     loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=150,
-                             holder=_holder_address(cluster_client), on_holder=True)
+                             holder=holder, on_holder=True)
     interrupted = trainer(loss)
     started = time.monotonic()
     with pytest.raises(dt.HolderLost, match="resume with fit") as caught:
@@ -77,7 +83,7 @@ def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_cli
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert state["complete_epochs"] == 1 and state["holder"]["epoch"] == 1
 
-    resumed = trainer(mse)
+    resumed = trainer(mse, _holder_address(cluster_client))  # the old one is gone
     history = resumed.fit(data, epochs=2, client=cluster_client, resume=tmp_path / "run")
     torch.testing.assert_close(flat_parameters(resumed.model),
                                flat_parameters(straight.model), rtol=1e-5, atol=1e-6)

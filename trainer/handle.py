@@ -9,6 +9,7 @@ from typing import Any
 
 from distributed import get_client, get_worker
 
+from dasktrain._cluster import worker_info
 from dasktrain.trainer.errors import HolderLost, TrainerError
 
 __all__ = ["HolderHandle"]
@@ -83,7 +84,7 @@ class HolderHandle:
 
     def holder_alive(self) -> bool:
         try:
-            workers = get_client().scheduler_info(n_workers=-1).get("workers", {})
+            workers = worker_info(get_client())
         except Exception:  # cannot tell right now: keep waiting until the deadline
             return True
         return self.address in workers

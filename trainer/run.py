@@ -19,6 +19,7 @@ from typing import Any
 from distributed import Client, Future, wait
 from distributed.client import FutureCancelledError
 
+from dasktrain._cluster import worker_info
 from dasktrain.trainer.checkpoint import save_checkpoint
 from dasktrain.trainer.errors import HolderLost, TrainerError
 from dasktrain.trainer.history import History
@@ -50,7 +51,7 @@ class FitRun:
         self.progress = progress
         self.last_checkpoint: Path | None = None
         self._next_checkpoint: int | None = None
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = worker_info(client)
         if not workers:
             raise TrainerError("the Dask cluster has no workers")
         self.addresses = sorted(workers)
@@ -88,7 +89,7 @@ class FitRun:
                                        f"{self.timeout:.0f}s") from None
 
     def holder_alive(self) -> bool:
-        return self.holder_address in self.client.scheduler_info(n_workers=-1)["workers"]
+        return self.holder_address in worker_info(self.client)
 
     def _holder_lost(self) -> None:
         where = (f"resume with fit(..., resume={str(self.last_checkpoint)!r})"
