@@ -106,14 +106,9 @@ class FlatModel:
     def payload(self) -> np.ndarray:
         """Gradients then buffers, as one contiguous float32 host array (reused: send it
         before the next backward)."""
-        n = self.layout.num_params
         if self.device.type != "cpu":
-            self._host[:n].copy_(self.grads, non_blocking=True)
-        offset = n
-        for b in self._buffers:
-            k = b.numel()
-            self._host[offset:offset + k].copy_(b.detach().reshape(-1), non_blocking=True)
-            offset += k
+            self._host[: self.layout.num_params].copy_(self.grads, non_blocking=True)
+        self._gather_buffers(self._host, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return self._host.numpy()
@@ -122,12 +117,16 @@ class FlatModel:
         """Parameters then buffers, as a new float32 host array."""
         out = torch.empty(self.layout.size, dtype=torch.float32)
         out[: self.layout.num_params].copy_(self.params)
+        self._gather_buffers(out, non_blocking=False)
+        return out.numpy()
+
+    def _gather_buffers(self, out: torch.Tensor, non_blocking: bool) -> None:
+        """Copy the floating-point buffers into ``out`` after the parameters' part."""
         offset = self.layout.num_params
         for b in self._buffers:
             k = b.numel()
-            out[offset:offset + k].copy_(b.detach().reshape(-1))
+            out[offset:offset + k].copy_(b.detach().reshape(-1), non_blocking=non_blocking)
             offset += k
-        return out.numpy()
 
     def load(self, values: np.ndarray) -> None:
         """Take parameters then buffers from a payload-shaped array."""

@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Any
 
-from distributed import get_client, get_worker
+from distributed import Client, get_client, get_worker
 
 from dasktrain._cluster import worker_info
 from dasktrain.trainer.errors import HolderLost, TrainerError
@@ -18,16 +18,17 @@ _SLICE = 2.0  # seconds between liveness checks while waiting
 
 
 class HolderHandle:
-    """A worker's view of the holder actor.
+    """A view of the holder actor from a trainer worker (or the driver, with ``client``).
 
     When the holder lives in the calling worker's own process, calls go straight to the
     actor object on the worker's event loop: the payload is handed over by reference instead
     of being serialised and sent through a loopback socket.
     """
 
-    def __init__(self, actor: Any, timeout: float) -> None:
+    def __init__(self, actor: Any, timeout: float, client: Client | None = None) -> None:
         self.actor = actor
         self.timeout = timeout
+        self._client = client  # for liveness checks; default: the current client
         # The actor's address is not public API; it names the worker holding the actor.
         self.address: str = actor._address
         self._local = None
@@ -84,7 +85,7 @@ class HolderHandle:
 
     def holder_alive(self) -> bool:
         try:
-            workers = worker_info(get_client())
+            workers = worker_info(self._client or get_client())
         except Exception:  # cannot tell right now: keep waiting until the deadline
             return True
         return self.address in workers

@@ -257,12 +257,13 @@ class ParameterHolder:
         used = [c for c in contributions if c.grads is not None and c.count > 0]
         grad = self._average(used)
         if grad is not None and not _all_finite(grad):
-            # Rare: find the culprits (one elementwise check each) and average the rest.
-            for c in used:
-                if not _all_finite(_tensor(c.grads)):
+            # Rare: find the culprits (one check each) and average the rest.
+            checked = [(c, _all_finite(_tensor(c.grads))) for c in used]
+            for c, finite in checked:
+                if not finite:
                     self.refused += 1
                     self.record_event(f"worker {c.worker}: non-finite gradient refused")
-            used = [c for c in used if _all_finite(_tensor(c.grads))]
+            used = [c for c, finite in checked if finite]
             grad = self._average(used)
         total = sum(c.count for c in used)
         if grad is not None:
@@ -311,7 +312,7 @@ class ParameterHolder:
             self._buffers.copy_(average[n:])
 
     def _make_snapshot(self) -> tuple[np.ndarray, int]:
-        if self._mode_lockstep():
+        if self._mode.lockstep:
             # Safe without a copy: every worker has loaded (or received) this snapshot
             # before it can push for the next version, and pull() copies.
             return self._flat.numpy(), self.version
@@ -325,10 +326,6 @@ class ParameterHolder:
             self._spare = [array, *self._spare[:3]]
         np.copyto(array, self._flat.numpy())
         return array, self.version
-
-    def _mode_lockstep(self) -> bool:
-        mode = getattr(self, "_mode", None)
-        return mode is not None and mode.lockstep
 
     # -- liveness ----------------------------------------------------------------------
     def _ensure_watchdog(self) -> None:

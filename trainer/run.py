@@ -22,6 +22,7 @@ from distributed.client import FutureCancelledError
 from dasktrain._cluster import worker_info
 from dasktrain.trainer.checkpoint import save_checkpoint
 from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.history import History
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.worker import WorkerConfig, run_worker
@@ -69,6 +70,7 @@ class FitRun:
             raise TrainerError(f"could not start the parameter holder on {target}: "
                                f"{type(exc).__name__}: {exc}") from exc
         self.holder_address = target
+        self._handle = HolderHandle(self.holder, timeout, client)
         self.version = 0
 
     # -- holder calls from the driver --------------------------------------------------
@@ -76,20 +78,13 @@ class FitRun:
         """Call the holder and wait, failing fast if its worker is gone."""
         if not self.holder_alive():
             self._holder_lost()
-        future = getattr(self.holder, method)(*args)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                return future.result(timeout=2)
-            except TimeoutError:
-                if not self.holder_alive():
-                    self._holder_lost()
-                if time.monotonic() > deadline:
-                    raise TrainerError(f"the parameter holder did not answer {method} in "
-                                       f"{self.timeout:.0f}s") from None
+        try:
+            return self._handle.request(method, *args)
+        except HolderLost:
+            self._holder_lost()
 
     def holder_alive(self) -> bool:
-        return self.holder_address in worker_info(self.client)
+        return self._handle.holder_alive()
 
     def _holder_lost(self) -> None:
         where = (f"resume with fit(..., resume={str(self.last_checkpoint)!r})"
