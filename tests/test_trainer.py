@@ -3,6 +3,7 @@ resume exactly, bad pushes are refused."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 
@@ -227,3 +228,47 @@ def test_flat_model_gradients_and_buffers_live_in_one_buffer():
     flat.load(np.arange(flat.layout.size, dtype=np.float32))
     assert model[0].weight.reshape(-1)[0] == 0 and model[1].running_var[-1] == \
         flat.layout.size - 1
+
+
+def _zeros(features: int) -> torch.nn.Module:
+    model = torch.nn.Linear(features, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    return model
+
+
+@pytest.mark.parametrize("features", [1000, (1 << 20) + 8])  # inline and threaded updates
+def test_state_dict_is_never_taken_half_way_through_an_update(features):
+    """Plain SGD with lr 1 on gradients of ones: every parameter is exactly -version, in
+    every state_dict and every progress report taken while updates run."""
+    async def scenario():
+        config = HolderConfig(model=functools.partial(_zeros, features),
+                              optimizer=dt.optim.sgd(1.0), workers=1, mode="async")
+        holder = ParameterHolder(config)
+        ones = np.ones(features, dtype=np.float32)
+        await holder.join(0, None, holder.layout)
+        pushed = 0
+
+        async def pusher():
+            nonlocal pushed
+            for _ in range(200):
+                pushed += 1
+                await holder.push(0, holder.version, ones, 1, 0.0, (0, pushed))
+                await asyncio.sleep(0)  # let the reader in between pushes
+
+        task = asyncio.ensure_future(pusher())
+        seen = []
+        while not task.done():
+            state = await holder.state_dict()
+            assert torch.equal(state["params"],
+                               torch.full_like(state["params"], -state["version"]))
+            assert state["positions"].get(0, [0, 0])[1] == state["version"]
+            report = await holder.progress()
+            assert len(set(map(len, report["records"].values()))) == 1
+            seen.append(state["version"])
+            await asyncio.sleep(0)  # and the pusher in between reads
+        await task
+        await holder.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert len(seen) > 1

@@ -244,12 +244,18 @@ class ParameterHolder:
 
     async def apply(self, contributions: list[Contribution]) -> None:
         """Apply the (weighted) average of ``contributions`` as one optimizer step."""
+        await self._serially(self._apply, contributions)
+
+    async def _serially(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` in order with every other update, snapshot and restore.
+
+        Small models run on the event loop (the arithmetic takes less than a thread
+        hand-off would), large ones on the one private thread; either way one place, so a
+        state_dict never reads parameters half-way through a step."""
         if self.layout.size <= _INLINE_SIZE:
-            # Small models: the arithmetic takes less than a thread hand-off would.
-            self._apply(contributions)
-            return
+            return fn(*args)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._apply, contributions)
+        return await loop.run_in_executor(self._executor, fn, *args)
 
     def _apply(self, contributions: list[Contribution]) -> None:
         # Worker order, not arrival order: the same sums on every run.
@@ -367,6 +373,9 @@ class ParameterHolder:
     # -- reports, checkpoints, shutdown ------------------------------------------------
     async def progress(self) -> dict[str, Any]:
         """Counters for a progress display; ``records`` and ``events`` since the last call."""
+        return await self._serially(self._progress)
+
+    def _progress(self) -> dict[str, Any]:
         records, self._records = self._records, _empty_records()
         events, self._events = self._events, []
         return {"version": self.version, "updates": self.updates, "epoch": self.epoch,
@@ -377,8 +386,7 @@ class ParameterHolder:
     async def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: parameters, optimizer state, version, clocks and
         every worker's position. Taken between two updates, so it is consistent."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._state_dict)
+        return await self._serially(self._state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
         return {
@@ -408,8 +416,7 @@ class ParameterHolder:
         if len(state["clocks"]) != self.config.workers:
             raise ValueError(f"the checkpoint has {len(state['clocks'])} workers, this run "
                              f"{self.config.workers}")
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._load_state_dict, state)
+        await self._serially(self._load_state_dict, state)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
