@@ -272,3 +272,28 @@ def test_state_dict_is_never_taken_half_way_through_an_update(features):
 
     seen = asyncio.run(scenario())
     assert len(seen) > 1
+
+
+def test_state_at_is_taken_at_exactly_that_version():
+    async def scenario():
+        config = HolderConfig(model=functools.partial(_zeros, 10),
+                              optimizer=dt.optim.sgd(1.0), workers=1, mode="async")
+        holder = ParameterHolder(config)
+        ones = np.ones(10, dtype=np.float32)
+        await holder.join(0, None, holder.layout)
+        at_five = asyncio.ensure_future(holder.state_at(5))
+        await asyncio.sleep(0)  # let it register before the updates run
+        for step in range(8):
+            await holder.push(0, holder.version, ones, 1, 0.0, (0, step + 1))
+        now = await holder.state_at(3)  # already past: the current state
+        pending = asyncio.ensure_future(holder.state_at(100))
+        await asyncio.sleep(0)
+        await holder.close()
+        with pytest.raises(dt.TrainerError, match="closed"):
+            await pending
+        return await at_five, now
+
+    at_five, now = asyncio.run(scenario())
+    assert at_five["version"] == 5
+    assert torch.equal(at_five["params"], torch.full_like(at_five["params"], -5.0))
+    assert now["version"] == 8

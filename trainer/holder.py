@@ -143,6 +143,7 @@ class ParameterHolder:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dasktrain-holder")
         self._error: BaseException | None = None
+        self._state_waiters: list[tuple[int, asyncio.Future]] = []
         self._watchdog: asyncio.Task | None = None
         self._closed = False
 
@@ -245,6 +246,19 @@ class ParameterHolder:
     async def apply(self, contributions: list[Contribution]) -> None:
         """Apply the (weighted) average of ``contributions`` as one optimizer step."""
         await self._serially(self._apply, contributions)
+        if self._state_waiters and self.version >= min(v for v, _ in self._state_waiters):
+            await self._serve_state_waiters()
+
+    async def _serve_state_waiters(self) -> None:
+        state = await self._serially(self._state_dict)
+        waiting, self._state_waiters = self._state_waiters, []
+        for version, future in waiting:
+            if future.done():
+                continue
+            if state["version"] >= version:
+                future.set_result(state)
+            else:
+                self._state_waiters.append((version, future))
 
     async def _serially(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` in order with every other update, snapshot and restore.
@@ -405,6 +419,23 @@ class ParameterHolder:
             "mode_state": self._mode.state_dict(),
         }
 
+    async def state_at(self, version: int) -> dict[str, Any]:
+        """A :meth:`state_dict` taken as soon as an update brings the holder to ``version``
+        (or now, if it is there already): checkpoints at exact update counts, however
+        seldom the caller looks."""
+        self._check_usable()
+        if self.version >= version:
+            return await self.state_dict()
+        future = asyncio.get_running_loop().create_future()
+        self._state_waiters.append((version, future))
+        return await future
+
+    def _fail_state_waiters(self, error: BaseException) -> None:
+        waiting, self._state_waiters = self._state_waiters, []
+        for _, future in waiting:
+            if not future.done():
+                future.set_exception(error)
+
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` of a holder of the same model and mode."""
         if state["layout"] != self.layout.fingerprint:
@@ -437,11 +468,14 @@ class ParameterHolder:
         if self._error is None:
             self._error = TrainerError(reason)
             self._mode.abort(self._error)
+            self._fail_state_waiters(self._error)
 
     async def close(self) -> None:
         """Stop the watchdog and the arithmetic thread."""
         self._closed = True
-        self._mode.abort(TrainerError("the parameter holder is closed"))
+        closed = TrainerError("the parameter holder is closed")
+        self._mode.abort(closed)
+        self._fail_state_waiters(closed)
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._executor.shutdown(wait=False)

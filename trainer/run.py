@@ -51,7 +51,8 @@ class FitRun:
         self.history = history
         self.progress = progress
         self.last_checkpoint: Path | None = None
-        self._next_checkpoint: int | None = None
+        self._saved_version = -1
+        self._pending_state: Any = None  # the holder's state_at call for the next checkpoint
         workers = worker_info(client)
         if not workers:
             raise TrainerError("the Dask cluster has no workers")
@@ -87,6 +88,10 @@ class FitRun:
         return self._handle.holder_alive()
 
     def _holder_lost(self) -> None:
+        try:  # a state the holder handed over just before it died is still worth keeping
+            self._take_checkpoint(ask_next=False)
+        except Exception:
+            logger.debug("no checkpoint from the lost holder", exc_info=True)
         where = (f"resume with fit(..., resume={str(self.last_checkpoint)!r})"
                  if self.last_checkpoint else
                  "no checkpoint was written yet (pass checkpoint= to fit to have one)")
@@ -159,24 +164,50 @@ class FitRun:
             records = progress["records"]
             self.progress.update(len(records["loss"]))
             self.progress.set_postfix(epoch=progress["epoch"], loss=f"{records['loss'][-1]:.4g}")
-        if self.checkpoint and self.checkpoint_every:
-            if self._next_checkpoint is None:
-                self._next_checkpoint = self.version + self.checkpoint_every
-            if self.version >= self._next_checkpoint:
-                self.save(complete_epochs=None)
-                self._next_checkpoint = self.version + self.checkpoint_every
+        self._take_checkpoint()
 
-    def save(self, complete_epochs: int | None) -> None:
-        """Write the run's checkpoint (``complete_epochs=None``: mid-epoch)."""
+    def _take_checkpoint(self, ask_next: bool = True) -> None:
+        """Write the state the holder captured at the last ``checkpoint_every`` mark, and
+        ask for the next one. The holder takes it at the exact update, and the answer
+        reaches this process at once: a holder that dies between two polls has still
+        handed it over."""
+        if not (self.checkpoint and self.checkpoint_every):
+            return
+        pending = self._pending_state
+        if pending is not None:
+            if not pending.done():
+                return
+            self._pending_state = None
+            try:
+                state = pending.result()  # done: no wait
+            except Exception as exc:
+                if ask_next and not self.holder_alive():
+                    self._holder_lost()
+                raise TrainerError(f"the parameter holder could not hand over its state: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            if state["version"] > self._saved_version:
+                self.save(complete_epochs=None, holder_state=state)
+            start = state["version"]
+        else:
+            start = self.version
+        if ask_next:
+            self._pending_state = self._handle.call("state_at", start + self.checkpoint_every)
+
+    def save(self, complete_epochs: int | None,
+             holder_state: dict[str, Any] | None = None) -> None:
+        """Write the run's checkpoint (``complete_epochs=None``: mid-epoch) of the holder's
+        current state, or of ``holder_state`` taken before."""
         if not self.checkpoint:
             return
-        holder_state = self.call("state_dict")
+        if holder_state is None:
+            holder_state = self.call("state_dict")
         extra = self.checkpoint_extra()
         if complete_epochs is None:
             complete_epochs = int(holder_state["epoch"])
         self.last_checkpoint = save_checkpoint(self.checkpoint, {
             "holder": holder_state, "complete_epochs": complete_epochs,
             "history": self.history.to_dict(), **extra})
+        self._saved_version = int(holder_state["version"])
         logger.info("checkpoint at version %d: %s", holder_state["version"],
                     self.last_checkpoint)
 
@@ -186,6 +217,7 @@ class FitRun:
         return params
 
     def close(self) -> None:
+        self._pending_state = None
         try:
             if self.holder_alive():
                 self.holder.close().result(timeout=10)

@@ -87,7 +87,8 @@ class Trainer:
         Seconds a ``sync`` step waits for a silent (but alive) worker before going on
         without it.
     checkpoint_every
-        Also checkpoint every this many updates, not only at epoch ends.
+        Also checkpoint every this many updates (taken by the holder at exactly those
+        update counts), not only at epoch ends.
     progress
         Show a progress bar (notebook-aware).
     torch_threads
@@ -323,7 +324,8 @@ class Trainer:
         loss_sum = 0.0
         classes = False
         with cluster_client(client) as c, Pipeline(
-                dataset, min(batch_size, len(dataset)), shuffle=False, client=c) as pipe, \
+                dataset, min(batch_size, len(dataset)), shuffle=False, client=c,
+                prefetch_next_epoch=False) as pipe, \
                 torch.no_grad():
             for batch in pipe:
                 x, y = batch if isinstance(batch, tuple) else (batch, None)
