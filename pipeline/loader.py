@@ -4,6 +4,7 @@ bound, handed over as torch tensors."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import queue
@@ -28,8 +29,10 @@ from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.tasks import (
     ArraysRef,
     BlockFailed,
+    EpochContext,
     Transform,
     assemble_batches,
+    load_unit,
     load_window,
 )
 
@@ -52,6 +55,25 @@ def _own_cluster() -> tuple[Client, weakref.finalize]:
         cluster.close()
 
     return client, weakref.finalize(client, close)
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """Units of the next epoch submitted while the current one finished."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    submitted: list[tuple[Unit, Future]] = dataclasses.field(default_factory=list)
+    windows: dict[int, Future] = dataclasses.field(default_factory=dict)
+
+    def release(self) -> None:
+        for _, future in self.submitted:
+            future.release()
+        for future in self.windows.values():
+            future.release()
+        self.submitted.clear()
+        self.windows.clear()
 
 
 class Pipeline:
@@ -79,6 +101,11 @@ class Pipeline:
     prefetch
         Windows of blocks in flight for this consumer: memory held for it is at most about
         ``prefetch x shuffle_blocks x block_rows`` rows, however large the dataset.
+    prefetch_next_epoch
+        Once an epoch is all submitted, let the freed prefetch slots start on the next
+        epoch, so that its first batches are ready when it begins (within the same
+        ``prefetch`` bound). That work is dropped if the next iteration is another epoch
+        or position (:meth:`set_epoch`, :meth:`load_state_dict`) or never comes.
     shuffle_blocks
         Blocks per shuffle window; larger mixes better and costs more memory.
     block_rows
@@ -110,6 +137,7 @@ class Pipeline:
         seed: int = 0,
         transform: Transform | None = None,
         prefetch: int = 4,
+        prefetch_next_epoch: bool = True,
         shuffle_blocks: int = 1,
         block_rows: int | None = None,
         drop_last: bool = False,
@@ -154,6 +182,7 @@ class Pipeline:
         self.seed = seed
         self.transform = transform
         self.prefetch = prefetch
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self.shuffle_blocks = shuffle_blocks
         self.block_rows = block_rows or self.dataset.chunk_rows
         self.drop_last = drop_last
@@ -166,6 +195,8 @@ class Pipeline:
         self.stats = PipelineStats()
         self._client = client
         self._finalizer: weakref.finalize | None = None
+        self._ahead: _Ahead | None = None  # the next epoch's head start
+        self._ahead_pending: _Ahead | None = None  # the one the feeder is building
         self._epoch = 0
         self._position = 0  # batches of the current epoch already handed to the consumer
         # Looked up once: _deliver runs for every batch.
@@ -188,6 +219,8 @@ class Pipeline:
         if epoch < 0:
             raise ValueError(f"epoch must be non-negative, got {epoch}")
         self._epoch, self._position = epoch, 0
+        if self._ahead is not None and self._ahead.epoch != epoch:
+            self._drop_ahead()
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The epoch's plan (pure: the same for every rank, worker count and run)."""
@@ -221,6 +254,8 @@ class Pipeline:
                 raise ValueError(f"cannot resume: the state has {key}={state.get(key)!r}, this "
                                  f"pipeline {key}={mine[key]!r}")
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        if self._position != 0 or (self._ahead is not None and self._ahead.epoch != self._epoch):
+            self._drop_ahead()
 
     # -- the cluster -------------------------------------------------------------------
     @property
@@ -234,7 +269,8 @@ class Pipeline:
         return self._client
 
     def close(self) -> None:
-        """Close the LocalCluster this pipeline started, if it started one."""
+        """Drop work submitted ahead; close the LocalCluster this pipeline started, if any."""
+        self._drop_ahead()
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
@@ -255,18 +291,26 @@ class Pipeline:
                                     "worker (e.g. inside a trainer task)") from None
         return {}
 
-    def _submit(self, plan: EpochPlan, unit: Unit, windows: dict[int, Future],
-                kwargs: dict[str, Any]) -> Future:
+    def _submit(self, context: EpochContext, epoch: int, stride: int, unit: Unit,
+                windows: dict[int, Future], kwargs: dict[str, Any]) -> Future:
         client = self.client
+        key = (f"dasktrain-batches-{self._token}-{epoch}-{self.rank}of{self.world_size}-"
+               f"{unit.window}")
+        # Submissions in a burst (or from inside a task) share one scheduler generation,
+        # which would leave their order to chance: ask for consumption order explicitly.
+        kwargs = {"priority": -(epoch * (stride + 1) + unit.batches[0]), **kwargs}
+        if unit.exclusive:
+            return client.submit(load_unit, context, unit.window, unit.pieces, key=key,
+                                 **kwargs)
+        # The window is shared (with other ranks, or with a neighbouring unit): one task
+        # reads it, one per unit cuts the batches.
         for w in unit.windows:
             if w not in windows:
                 windows[w] = client.submit(
-                    load_window, self._ref, plan, w, self.transform,
-                    key=f"dasktrain-window-{self._token}-{plan.epoch}-{w}", **kwargs)
-        return client.submit(
-            assemble_batches, unit.pieces, unit.windows, *[windows[w] for w in unit.windows],
-            key=f"dasktrain-batches-{self._token}-{plan.epoch}-{self.rank}of"
-                f"{self.world_size}-{unit.window}", **kwargs)
+                    load_window, context, w,
+                    key=f"dasktrain-window-{self._token}-{epoch}-{w}", **kwargs)
+        return client.submit(assemble_batches, unit.pieces, unit.windows,
+                             *[windows[w] for w in unit.windows], key=key, **kwargs)
 
     def _result(self, future: Future, unit: Unit, plan: EpochPlan
                 ) -> list[dict[str, np.ndarray]]:
@@ -319,35 +363,101 @@ class Pipeline:
         x = tensors[self._features_name]
         return x if self._targets_name is None else (x, tensors[self._targets_name])
 
+    @staticmethod
+    def _take_slot(slots: threading.Semaphore, stop: threading.Event,
+                   finishing: threading.Event | None = None) -> bool:
+        """Wait for a free prefetch slot. False once the consumer has stopped, or (given
+        ``finishing``: the epoch is consumed, nothing more will be freed) none is left."""
+        while True:
+            if slots.acquire(timeout=0.1 if finishing is None else 0.01):
+                if stop.is_set():
+                    slots.release()
+                    return False
+                return True
+            if stop.is_set() or (finishing is not None and finishing.is_set()):
+                return False
+
+    @staticmethod
+    def _forget_windows(windows: dict[int, Future], current: int) -> None:
+        # Keep a window's future only while a later unit may still need it; the scheduler
+        # keeps it for the submitted batch tasks that depend on it.
+        for w in [w for w in windows if w < current]:
+            del windows[w]
+
     def _feed(self, plan: EpochPlan, units: list[Unit], out: queue.Queue,
               slots: threading.Semaphore, stop: threading.Event,
-              fetcher: concurrent.futures.ThreadPoolExecutor, kwargs: dict[str, Any]) -> None:
+              fetcher: concurrent.futures.ThreadPoolExecutor, kwargs: dict[str, Any],
+              ahead: _Ahead | None, finishing: threading.Event) -> None:
         """Feeder thread: submit units as slots free up, and have each fetched in order.
 
         All data work (task submission, transfer, conversion) happens off the consumer's
         thread; the consumer only takes ready batches. ``slots`` holds ``prefetch`` permits:
         one is taken per submitted unit and given back when the consumer has used it up.
+        Units submitted ahead, while the previous epoch finished, come first and already
+        hold their permits. Once this epoch is all submitted, the freed permits go on into
+        the next epoch, until the consumer is done with this one and none are left.
         """
-        windows: dict[int, Future] = {}
+        windows = ahead.windows if ahead is not None else {}
+        carried = list(ahead.submitted) if ahead is not None else []
+        finished = False
         try:
-            for unit in units:
-                while not slots.acquire(timeout=0.1):
-                    if stop.is_set():
+            context = EpochContext.pack(self._ref, plan, self.transform)
+            for i, unit in enumerate(units):
+                if i < len(carried):
+                    future = carried[i][1]
+                else:
+                    if not self._take_slot(slots, stop):
                         return
-                if stop.is_set():
-                    slots.release()
-                    return
-                future = self._submit(plan, unit, windows, kwargs)
-                # Keep a window's future only while a later unit may still need it; the
-                # scheduler keeps it for the submitted batch tasks that depend on it.
-                for w in [w for w in windows if w < unit.window]:
-                    del windows[w]
-                self.stats.add_in_flight(1)
+                    future = self._submit(context, plan.epoch, plan.num_batches, unit,
+                                          windows, kwargs)
+                    self.stats.add_in_flight(1)
+                self._forget_windows(windows, unit.window)
                 out.put((future, fetcher.submit(self._fetch, future, unit, plan)))
+            finished = True
         except BaseException as exc:  # handed to the consumer, which raises it
             out.put((None, exc))
         finally:
             out.put(None)
+        if finished and self.prefetch_next_epoch:
+            self._feed_ahead(plan.epoch + 1, slots, stop, finishing, kwargs)
+
+    def _feed_ahead(self, epoch: int, slots: threading.Semaphore, stop: threading.Event,
+                    finishing: threading.Event, kwargs: dict[str, Any]) -> None:
+        """Submit ``epoch``'s first units while the consumer finishes the current one."""
+        ahead = _Ahead(epoch, self.rank, self.world_size)
+        self._ahead_pending = ahead
+        try:
+            plan = self.plan(epoch)
+            context = EpochContext.pack(self._ref, plan, self.transform)
+            for unit in plan.units(self.rank, self.world_size):
+                if not self._take_slot(slots, stop, finishing):
+                    return
+                future = self._submit(context, epoch, plan.num_batches, unit, ahead.windows,
+                                      kwargs)
+                self._forget_windows(ahead.windows, unit.window)
+                ahead.submitted.append((unit, future))
+                self.stats.add_in_flight(1)
+        except Exception:  # only a head start: the next epoch submits the rest itself
+            logger.debug("submitting epoch %d ahead failed", epoch, exc_info=True)
+
+    def _drop_ahead(self) -> None:
+        """Forget work submitted for an epoch that will not come next."""
+        if self._ahead is not None:
+            self.stats.add_in_flight(-len(self._ahead.submitted))
+            self._ahead.release()
+            self._ahead = None
+
+    def _take_ahead(self, epoch: int, units: list[Unit]) -> _Ahead | None:
+        """The head start for this iteration if it is one; otherwise it is dropped."""
+        ahead = self._ahead
+        if ahead is not None and self._position == 0 \
+                and (ahead.epoch, ahead.rank, ahead.world_size) == (epoch, self.rank,
+                                                                    self.world_size) \
+                and units[:len(ahead.submitted)] == [unit for unit, _ in ahead.submitted]:
+            self._ahead = None
+            return ahead
+        self._drop_ahead()
+        return None
 
     def __iter__(self) -> Iterator[Batch]:
         epoch, skip = self._epoch, self._position
@@ -356,19 +466,24 @@ class Pipeline:
         while units and skip >= len(units[0].batches):  # resume: whole units already consumed
             skip -= len(units[0].batches)
             units.pop(0)
+        ahead = self._take_ahead(epoch, units)
         stats = self.stats
         stats.start_epoch()
         out: queue.Queue = queue.Queue()
-        slots, stop = threading.Semaphore(self.prefetch), threading.Event()
+        carried = len(ahead.submitted) if ahead is not None else 0
+        slots = threading.Semaphore(max(self.prefetch - carried, 0))
+        stop, finishing = threading.Event(), threading.Event()
         # Resolved here, on the consumer's thread: inside a Dask task the worker's client and
         # address are only visible from the task's own thread, not from the feeder.
         _ = self.client
         kwargs = self._submit_kwargs()
         fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
         feeder = threading.Thread(target=self._feed, args=(plan, units, out, slots, stop,
-                                                          fetcher, kwargs),
+                                                          fetcher, kwargs, ahead, finishing),
                                   name="dasktrain-feeder", daemon=True)
+        self._ahead_pending = None
         feeder.start()
+        completed = False
         try:
             while True:
                 started = time.perf_counter()
@@ -398,15 +513,26 @@ class Pipeline:
                 stats.blocks_done += 1
                 stats.add_in_flight(-1)
                 slots.release()
+            completed = True
         finally:
-            stop.set()
+            # A consumed epoch lets the feeder use the slots it freed for the next epoch
+            # (a few quick submissions); an interrupted one stops it at once.
+            (finishing if completed else stop).set()
             fetcher.shutdown(wait=False, cancel_futures=True)
             feeder.join(timeout=5)
+            stop.set()
             while not out.empty():
                 item = out.get_nowait()
                 if item is not None and item[0] is not None:
                     item[0].release()
             stats.clear_in_flight()
+            pending, self._ahead_pending = self._ahead_pending, None
+            if pending is not None:
+                if completed and not feeder.is_alive():
+                    self._ahead = pending
+                    stats.add_in_flight(len(pending.submitted))
+                else:  # an interrupted epoch resumes mid-way: the head start is moot
+                    pending.release()
         stats.finished = time.perf_counter()
         self._epoch, self._position = epoch + 1, 0
 

@@ -42,6 +42,9 @@ class Unit:
     windows: tuple[int, ...]  # every window the batches touch (this one, maybe the next)
     batches: tuple[int, ...]  # global batch indices, in order
     pieces: tuple[tuple[Piece, ...], ...]  # per batch, where its rows are
+    # True when every batch touching this window is in this unit and none leaves it: the
+    # window can then be read and cut in one task, shared with nobody.
+    exclusive: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +157,16 @@ class EpochPlan:
             groups.setdefault(pieces[0].window, []).append((batch, pieces))
         units = []
         for window, items in groups.items():
-            touched = sorted({p.window for _, pieces in items for p in pieces})
-            units.append(Unit(window, tuple(touched), tuple(b for b, _ in items),
-                              tuple(p for _, p in items)))
+            touched = tuple(sorted({p.window for _, pieces in items for p in pieces}))
+            batches = tuple(b for b, _ in items)
+            units.append(Unit(window, touched, batches, tuple(p for _, p in items),
+                              touched == (window,)
+                              and set(self.window_batches(window)) <= set(batches)))
         return units
+
+    def window_batches(self, window: int) -> range:
+        """Global batches with rows in ``window``."""
+        offsets = self.window_offsets
+        first = int(offsets[window]) // self.batch_size
+        last = min((int(offsets[window + 1]) - 1) // self.batch_size, self.num_batches - 1)
+        return range(first, last + 1)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import zarr
+from distributed.protocol import pickle
 
 from dasktrain.pipeline.plan import EpochPlan, Piece
 
-__all__ = ["BlockFailed", "Transform", "assemble_batches", "load_window"]
+__all__ = ["BlockFailed", "EpochContext", "Transform", "assemble_batches", "load_unit",
+           "load_window"]
 
 #: ``transform(arrays, rng) -> arrays`` on a dict of numpy arrays sharing axis 0.
 Transform = Callable[[dict[str, np.ndarray], np.random.Generator], dict[str, np.ndarray]]
@@ -38,6 +43,43 @@ class ArraysRef:
     arrays: tuple[zarr.Array, ...]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EpochContext:
+    """What every task of an epoch shares (arrays, plan, transform), pickled once.
+
+    A transform defined in a script or notebook is pickled by value, which costs
+    milliseconds each time; tasks carry these bytes instead, and each worker process
+    unpickles them once per epoch (:meth:`open`).
+    """
+
+    digest: str
+    blob: bytes
+
+    @classmethod
+    def pack(cls, ref: ArraysRef, plan: EpochPlan, transform: Transform | None
+             ) -> EpochContext:
+        blob = pickle.dumps((ref, plan, transform))
+        return cls(hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
+
+    def open(self) -> tuple[ArraysRef, EpochPlan, Transform | None]:
+        with _OPENED_LOCK:
+            found = _OPENED.get(self.digest)
+            if found is not None:
+                _OPENED.move_to_end(self.digest)
+                return found
+        found = pickle.loads(self.blob)
+        with _OPENED_LOCK:
+            _OPENED[self.digest] = found
+            while len(_OPENED) > _OPENED_KEEP:
+                _OPENED.popitem(last=False)
+        return found
+
+
+_OPENED: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+_OPENED_LOCK = threading.Lock()
+_OPENED_KEEP = 8  # a few pipelines x (this epoch, the next) per worker process
+
+
 def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int) -> dict[str, np.ndarray]:
     out = {}
     for name, array in zip(ref.names, ref.arrays, strict=True):
@@ -53,9 +95,9 @@ def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int) -> dict[
     return out
 
 
-def load_window(ref: ArraysRef, plan: EpochPlan, window: int,
-                transform: Transform | None) -> dict[str, np.ndarray]:
+def load_window(context: EpochContext, window: int) -> dict[str, np.ndarray]:
     """Read the window's blocks, transform each with its own RNG, shuffle the rows."""
+    ref, plan, transform = context.open()
     parts = []
     for block in plan.windows[window]:
         a, b = plan.block_range(block)
@@ -106,3 +148,11 @@ def assemble_batches(pieces: tuple[tuple[Piece, ...], ...], windows: tuple[int, 
             batches.append({n: np.concatenate([by_window[p.window][n][p.start : p.stop]
                                                for p in batch_pieces]) for n in names})
     return batches
+
+
+def load_unit(context: EpochContext, window: int,
+              pieces: tuple[tuple[Piece, ...], ...]) -> list[dict[str, np.ndarray]]:
+    """:func:`load_window` and :func:`assemble_batches` in one task, for a window whose
+    batches all go to one consumer: one task per window instead of two, and the batches
+    are ready the moment the window is."""
+    return assemble_batches(pieces, (window,), load_window(context, window))

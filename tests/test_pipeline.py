@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, get_task_stream
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
@@ -65,6 +67,26 @@ def test_epochs_differ_and_advance(client, indexed):
     assert not np.array_equal(first, second)
     pipe.set_epoch(0)
     np.testing.assert_array_equal(np.concatenate(_ids(pipe)), first)
+
+
+def test_next_epoch_starts_ahead_and_is_dropped_when_another_comes(client, indexed):
+    plain = dt.Pipeline(indexed, batch_size=100, seed=0, prefetch=3, client=client,
+                        prefetch_next_epoch=False)
+    expected = [np.concatenate(_ids(plain)) for _ in range(3)]
+    assert plain.stats.blocks_in_flight == 0
+    pipe = dt.Pipeline(indexed, batch_size=100, seed=0, prefetch=3, client=client)
+    for epoch in range(3):
+        np.testing.assert_array_equal(np.concatenate(_ids(pipe)), expected[epoch])
+        assert pipe.stats.blocks_in_flight == 3  # the next epoch's first units, bounded
+    pipe.set_epoch(0)  # not the epoch started ahead: that work is dropped
+    assert pipe.stats.blocks_in_flight == 0
+    np.testing.assert_array_equal(np.concatenate(_ids(pipe)), expected[0])
+    batches = iter(pipe)  # interrupted: nothing is kept, the epoch resumes where it stopped
+    first = next(batches)[1].numpy()
+    batches.close()
+    assert pipe.stats.blocks_in_flight == 0
+    np.testing.assert_array_equal(np.concatenate([first, *_ids(pipe)]), expected[1])
+    pipe.close()
 
 
 def test_world_size_may_change_between_epochs(client, indexed):
@@ -279,3 +301,56 @@ def test_local_placement_runs_blocks_on_the_consumers_worker(client, indexed):
 def test_local_placement_outside_a_worker_is_refused(client, indexed):
     with pytest.raises(dt.PipelineError, match="placement='local' needs"):
         next(iter(dt.Pipeline(indexed, batch_size=10, placement="local", client=client)))
+
+
+class _CountedTransform:
+    """Appends a line to ``log`` each time a process unpickles it."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+    def __call__(self, arrays: dict, rng: np.random.Generator) -> dict:
+        return arrays
+
+
+def test_transform_is_unpickled_once_per_worker_and_epoch(client, indexed, tmp_path):
+    log = tmp_path / "unpickled"
+    pipe = dt.Pipeline(indexed, batch_size=50, transform=_CountedTransform(str(log)),
+                       client=client, prefetch=3, prefetch_next_epoch=False)
+    workers = {str(pid) for pid in client.run(os.getpid).values()}
+    for epoch in range(2):
+        assert sum(len(y) for _, y in pipe) == len(indexed)  # 11 block tasks per epoch
+        on_workers = [pid for pid in log.read_text().split() if pid in workers]
+        assert 1 <= len(on_workers) <= len(workers) * (epoch + 1)
+
+
+def _busy(arrays, rng):
+    """A few milliseconds of CPU per block: long enough for blocks to queue."""
+    m = rng.standard_normal((64, 64))
+    for _ in range(200):
+        m = np.tanh(m @ m)
+    return arrays
+
+
+def test_blocks_run_in_the_order_they_are_consumed(client, indexed):
+    """Units submitted in one burst share a scheduler generation; without an explicit
+    priority the cluster would run them in any order and the first batch would wait."""
+    with get_task_stream(client) as stream:
+        pipe = dt.Pipeline(indexed, batch_size=100, transform=_busy, prefetch=11,
+                           prefetch_next_epoch=False, client=client)
+        assert sum(len(y) for _, y in pipe) == len(indexed)
+    started: dict[str, list[tuple[float, int]]] = {}
+    for task in stream.data:
+        if "dasktrain-batches" in task["key"]:
+            compute = next(s for s in task["startstops"] if s["action"] == "compute")
+            window = int(task["key"].rsplit("-", 1)[1])
+            started.setdefault(task["worker"], []).append((compute["start"], window))
+    assert sum(map(len, started.values())) == 11
+    for runs in started.values():
+        windows = [w for _, w in sorted(runs)]
+        assert windows == sorted(windows)

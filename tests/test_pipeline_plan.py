@@ -58,6 +58,22 @@ def test_every_sample_once_and_order_independent_of_world_size(span, block_rows,
             assert len(seen) == (stop - start) // batch * batch
 
 
+@pytest.mark.parametrize(("span", "block_rows", "shuffle_blocks", "batch", "drop_last"),
+                         SETTINGS)
+def test_a_unit_is_exclusive_exactly_when_no_other_unit_needs_its_window(
+        span, block_rows, shuffle_blocks, batch, drop_last):
+    plan = EpochPlan(*span, block_rows, batch, seed=1, epoch=0,
+                     shuffle_blocks=shuffle_blocks, drop_last=drop_last)
+    for world in (1, 2, 3):
+        units = [u for r in range(world) for u in plan.units(r, world)]
+        for unit in units:
+            others = [o for o in units if o is not unit and unit.window in o.windows]
+            assert unit.exclusive == (unit.windows == (unit.window,) and not others)
+    aligned = EpochPlan(0, 1000, 100, 50, seed=1, epoch=0)  # no batch crosses a window
+    assert all(u.exclusive for u in aligned.units(0, 1))
+    assert not any(u.exclusive for u in aligned.units(0, 2))
+
+
 def test_order_depends_only_on_seed_and_epoch():
     a = EpochPlan(0, 5000, 100, 32, seed=1, epoch=0, shuffle_blocks=4).sample_order()
     assert np.array_equal(a, EpochPlan(0, 5000, 100, 32, seed=1, epoch=0,

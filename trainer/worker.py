@@ -67,8 +67,10 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
     info = handle.request("join", worker, address, flat.layout, what=f"worker {worker} to join")
     flat.load(info["params"])
     version = int(info["version"])
+    # One pipeline per epoch task: a head start on the next epoch would be thrown away.
     pipe = Pipeline(config.data, config.batch_size, rank=worker, world_size=config.workers,
-                    device=device, client=get_client(), **config.pipeline_options)
+                    device=device, client=get_client(), prefetch_next_epoch=False,
+                    **config.pipeline_options)
     pipe.set_epoch(epoch)
     plan = pipe.plan()
     mine = len(plan.rank_batches(worker, config.workers))
