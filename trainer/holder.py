@@ -250,8 +250,10 @@ class ParameterHolder:
             await self._serve_state_waiters()
 
     async def _serve_state_waiters(self) -> None:
-        state = await self._serially(self._state_dict)
+        # Taken before the (possibly threaded) copy, so that an update finishing meanwhile
+        # does not copy the state a second time for the same requests.
         waiting, self._state_waiters = self._state_waiters, []
+        state = await self.state_dict()
         for version, future in waiting:
             if future.done():
                 continue
