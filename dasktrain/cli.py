@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -107,12 +108,37 @@ def _verify(args: argparse.Namespace) -> int:
 _COMMANDS = {"prepare": _prepare, "info": _info, "verify": _verify}
 
 
+class _QuietAfterInterrupt(logging.Filter):
+    """Drops the event loop's error reports once Ctrl-C was pressed.
+
+    While the run unwinds, callbacks on the client's loop may fail noisily (distributed's
+    ``sync`` schedules a cancel that can run before its future exists, and tornado logs the
+    NameError with a traceback); the one line the command prints says what happened.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.interrupted
+
+    def on_sigint(self, signum: int, frame: object) -> None:
+        # Set before KeyboardInterrupt starts unwinding, so before any cancel is scheduled.
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dasktrain`` command; returns the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    quiet = _QuietAfterInterrupt()
+    loop_errors = logging.getLogger("tornado.application")
+    loop_errors.addFilter(quiet)
+    previous = signal.signal(signal.SIGINT, quiet.on_sigint)
     try:
         return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
@@ -122,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"dasktrain {args.command}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        loop_errors.removeFilter(quiet)
 
 
 if __name__ == "__main__":
