@@ -56,20 +56,22 @@ def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> d
     torch.set_num_threads(1)
     flat = FlatModel(_model(size))
     handle = HolderHandle(holder, timeout=120)
-    info = handle.request("join", worker, get_worker().address, flat.layout)
+    info = handle.join(worker, get_worker().address, flat.layout)
     flat.load(info["params"])
     version = info["version"]
     flat.grads.copy_(torch.rand(size))  # a fixed, finite "gradient"
     times = []
     for step in range(warmup + steps):
         t0 = time.perf_counter()
-        future = handle.call("push", worker, version, flat.payload(), 1, 0.0, (0, step + 1))
+        future = handle.push(worker, version, flat.payload(), 1, 0.0, (0, step + 1))
         params, version = handle.wait(future, "push")
         flat.load(params)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     handle.request("leave", worker)
-    return {"median_s": statistics.median(times), "local": handle.local}
+    via = handle.via
+    handle.close()
+    return {"median_s": statistics.median(times), "where": via}
 
 
 def dasktrain_step(client: Client, size: int, steps: int, warmup: int) -> tuple[float, str]:
@@ -87,7 +89,7 @@ def dasktrain_step(client: Client, size: int, steps: int, warmup: int) -> tuple[
     holder.close().result()
     holder_future.release()
     # A step is over when the slower of the two workers has its parameters back.
-    placement = "+".join("local" if r["local"] else "remote" for r in results)
+    placement = "+".join(r["where"] for r in results)
     return max(r["median_s"] for r in results), placement
 
 

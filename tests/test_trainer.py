@@ -50,6 +50,20 @@ def test_sync_equals_one_process_on_the_union_batch(client, regression, workers)
     assert history.updates == steps
     assert history.staleness == [0] * len(history.staleness)
     assert sum(history.samples) == 2 * 600
+    # Workers in the holder's process call it in place; the others use the direct channel.
+    via = history.epochs[0]["exchange_via"]
+    assert sum(via.values()) == workers and "actor" not in via
+    assert workers == 1 or via.get("direct", 0) >= 1
+
+
+def test_sync_through_the_actor_alone_is_the_same(client, regression):
+    config = dt.optim.sgd(0.05, momentum=0.9, weight_decay=1e-3)
+    trainer = _trainer("sync", 2, 16, config, direct_channel=False)
+    history = trainer.fit(regression, epochs=1, client=client)
+    expected = one_process(regression, mlp, config, 32, 1, client)
+    torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
+                               atol=1e-6)
+    assert history.epochs[0]["exchange_via"] == {"local": 1, "actor": 1}
 
 
 @pytest.mark.parametrize("config", [dt.optim.adam(0.01), dt.optim.adamw(0.01),

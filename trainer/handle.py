@@ -1,18 +1,24 @@
-"""Calling the holder from a trainer worker: in-process when they share a process, over
-the actor's RPC otherwise, and never waiting without a deadline and a liveness check."""
+"""Calling the holder from a trainer worker: in-process when they share a process, pushes
+over a direct channel (else the actor's RPC) otherwise, and never waiting without a deadline
+and a liveness check."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 from distributed import Client, get_client, get_worker
 
 from dasktrain._cluster import worker_info
+from dasktrain.trainer.channel import ChannelClient, PendingPush
 from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.flat import FlatLayout
 
 __all__ = ["HolderHandle"]
+
+logger = logging.getLogger(__name__)
 
 _SLICE = 2.0  # seconds between liveness checks while waiting
 
@@ -22,7 +28,8 @@ class HolderHandle:
 
     When the holder lives in the calling worker's own process, calls go straight to the
     actor object on the worker's event loop: the payload is handed over by reference instead
-    of being serialised and sent through a loopback socket.
+    of being serialised and sent through a loopback socket. From another process, pushes
+    go over the holder's direct channel when :meth:`join` gets one.
     """
 
     def __init__(self, actor: Any, timeout: float, client: Client | None = None) -> None:
@@ -32,6 +39,7 @@ class HolderHandle:
         # The actor's address is not public API; it names the worker holding the actor.
         self.address: str = actor._address
         self._local = None
+        self._channel: ChannelClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             worker = get_worker()
@@ -45,6 +53,46 @@ class HolderHandle:
     @property
     def local(self) -> bool:
         return self._local is not None
+
+    @property
+    def direct(self) -> bool:
+        """Whether pushes go over the direct channel."""
+        return self._channel is not None
+
+    @property
+    def via(self) -> str:
+        """How pushes reach the holder: ``"local"``, ``"direct"`` or ``"actor"``."""
+        return "local" if self.local else "direct" if self.direct else "actor"
+
+    def join(self, worker: int, address: str | None, layout: FlatLayout) -> dict[str, Any]:
+        """Join the holder as ``worker``; opens the direct channel for pushes if offered."""
+        info = self.request("join", worker, address, layout, what=f"worker {worker} to join")
+        contact = info.get("channel")
+        if contact is not None and self._local is None:
+            self.close()
+            try:
+                self._channel = ChannelClient(contact, worker, layout.size, self.timeout,
+                                              self.holder_alive)
+            except (OSError, TrainerError) as exc:
+                # A firewall may let Dask's ports through and not this one.
+                logger.warning("worker %d cannot reach the holder's channel at %s:%s (%s); "
+                               "pushing through the actor", worker, contact["host"],
+                               contact["port"], exc)
+        return info
+
+    def push(self, worker: int, version: int, payload: Any, count: int, loss: float,
+             position: tuple[int, int]) -> Any:
+        """Start a push (see :meth:`ParameterHolder.push`); :meth:`wait` for its reply, the
+        parameters (valid until the next push) and their version."""
+        if self._channel is not None:
+            return self._channel.push(version, payload, count, loss, position)
+        return self.call("push", worker, version, payload, count, loss, position)
+
+    def close(self) -> None:
+        """Close the direct channel, if any."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def call(self, method: str, *args: Any) -> Any:
         """Start ``method(*args)`` on the holder; returns something with ``.result(timeout)``."""
@@ -63,6 +111,8 @@ class HolderHandle:
     def wait(self, future: Any, what: str, timeout: float | None = None) -> Any:
         """The result of ``future``, failing clearly if the holder's worker dies or nothing
         comes within ``timeout`` seconds."""
+        if isinstance(future, PendingPush):  # checks liveness itself
+            return future.result(timeout or self.timeout, what)
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             try:

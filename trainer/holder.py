@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from distributed import get_worker
 
+from dasktrain.trainer.channel import ChannelServer, channel_host
 from dasktrain.trainer.errors import TrainerError
 from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.modes import Contribution, get_mode, mode_class
@@ -67,6 +68,9 @@ class HolderConfig:
     """Seconds between liveness checks of the workers an update waits for."""
     torch_threads: int = 1
     """Intra-op threads of torch in the holder's process."""
+    direct_channel: bool = True
+    """Pushes from workers in other processes go over a direct TCP connection to the
+    holder (see :mod:`dasktrain.trainer.channel`); False keeps them on the actor's calls."""
 
     def __post_init__(self) -> None:
         if not callable(self.model):
@@ -145,6 +149,8 @@ class ParameterHolder:
         self._error: BaseException | None = None
         self._state_waiters: list[tuple[int, asyncio.Future]] = []
         self._watchdog: asyncio.Task | None = None
+        self._channel: ChannelServer | None = None
+        self._channel_failed = False
         self._closed = False
 
     # -- membership --------------------------------------------------------------------
@@ -196,8 +202,30 @@ class ParameterHolder:
         member.state, member.address, member.waiting_since = "active", address, None
         self._ensure_watchdog()
         params, version = self._snapshot
+        local = self._worker is not None and address == self._worker.address
         return {"params": params, "version": version, "epoch": self.epoch,
-                "position": self._position_of(worker)}
+                "position": self._position_of(worker),
+                "channel": None if local else await self._channel_contact()}
+
+    async def _channel_contact(self) -> dict[str, Any] | None:
+        """Where to connect for pushes (None: use the actor); the listener opens on first
+        use."""
+        if not self.config.direct_channel or self._worker is None or self._channel_failed:
+            return None
+        if self._channel is None:
+            host = channel_host(self._worker.address)
+            if host is None:
+                return None
+            channel = ChannelServer(self.push, self.layout.size)
+            try:
+                await channel.start(host)
+            except OSError as exc:
+                logger.warning("holder: no direct channel on %s (%s); pushes go through "
+                               "the actor", host, exc)
+                self._channel_failed = True
+                return None
+            self._channel = channel
+        return self._channel.contact()
 
     async def leave(self, worker: int) -> None:
         """A worker finished its part of the epoch."""
@@ -480,6 +508,8 @@ class ParameterHolder:
         self._fail_state_waiters(closed)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._channel is not None:
+            await self._channel.close()
         self._executor.shutdown(wait=False)
 
 

@@ -64,7 +64,15 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
         address = get_worker().address
     except ValueError:
         address = None
-    info = handle.request("join", worker, address, flat.layout, what=f"worker {worker} to join")
+    try:
+        return _train(config, handle, flat, device, worker, address, epoch, started)
+    finally:
+        handle.close()
+
+
+def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: torch.device,
+           worker: int, address: str | None, epoch: int, started: float) -> dict[str, Any]:
+    info = handle.join(worker, address, flat.layout)
     flat.load(info["params"])
     version = int(info["version"])
     # One pipeline per epoch task: a head start on the next epoch would be thrown away.
@@ -100,7 +108,7 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
             samples += count
         t1 = time.perf_counter()
         position = (epoch, min(step + 1, mine))
-        future = handle.call("push", worker, version, payload, count, loss_value, position)
+        future = handle.push(worker, version, payload, count, loss_value, position)
         batch = take(step + 1) if step + 1 < steps else None  # overlaps the exchange
         params, version = handle.wait(future, f"worker {worker}'s update at step {step}")
         flat.load(params)
@@ -114,4 +122,4 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
             "samples": samples, "compute_s": compute, "exchange_s": wait,
             "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
-            "local_holder": handle.local}
+            "exchange_via": handle.via}

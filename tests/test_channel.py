@@ -1,0 +1,145 @@
+"""The direct channel between trainer workers and the holder, against a real holder actor in
+another process: the same arithmetic as the actor's calls, refusals that name the problem
+and leave the connection usable, and a fallback to the actor when the port is unreachable."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import dasktrain as dt
+from dasktrain.trainer.channel import ChannelClient
+from dasktrain.trainer.flat import FlatLayout
+from dasktrain.trainer.handle import HolderHandle
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+
+FEATURES = 1000
+
+
+def _zeros(features: int) -> torch.nn.Module:
+    model = torch.nn.Linear(features, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    return model
+
+
+@pytest.fixture
+def holder(client):
+    """A holder actor on a worker process (plain SGD, lr 1, starting at zero)."""
+    config = HolderConfig(model=functools.partial(_zeros, FEATURES),
+                          optimizer=dt.optim.sgd(1.0), workers=2, mode="async")
+    future = client.submit(ParameterHolder, config, actor=True, pure=False)
+    actor = future.result(timeout=60)
+    yield actor
+    actor.close().result(timeout=30)
+    future.release()
+
+
+LAYOUT = FlatLayout.of(_zeros(FEATURES))
+
+
+def _connect(client, holder, worker: int = 0, token: bytes | None = None) -> ChannelClient:
+    info = holder.join(worker, None, LAYOUT).result(timeout=30)
+    contact = dict(info["channel"])
+    if token is not None:
+        contact["token"] = token
+    handle = HolderHandle(holder, 30, client)
+    return ChannelClient(contact, worker, LAYOUT.size, 30, handle.holder_alive)
+
+
+def test_pushes_over_the_channel_update_the_holder_like_the_actor(client, holder):
+    channel = _connect(client, holder)
+    try:
+        ones = np.ones(FEATURES, dtype=np.float32)
+        for step in range(1, 6):
+            params, version = channel.push(version=step - 1, grads=ones * step, count=4,
+                                           loss=0.5, position=(0, step)).result(timeout=30)
+            # SGD with lr 1: the parameters are minus the sum of the gradients so far.
+            assert version == step
+            assert np.array_equal(params, np.full(FEATURES, -step * (step + 1) / 2))
+        # A step without a batch changes nothing in async mode and still answers.
+        params, version = channel.push(5, None, 0, 0.0, (0, 5)).result(timeout=30)
+        assert version == 5
+        pulled, pulled_version = holder.pull().result(timeout=30)
+        assert pulled_version == 5 and np.array_equal(pulled, params)
+        report = holder.progress().result(timeout=30)
+        assert report["records"]["loss"] == [0.5] * 5
+        assert report["records"]["samples"] == [4] * 5
+    finally:
+        channel.close()
+
+
+def test_a_wrong_token_is_refused_and_the_holder_goes_on(client, holder):
+    with pytest.raises(dt.TrainerError, match="closed by the holder"):
+        _connect(client, holder, token=bytes(16))
+    channel = _connect(client, holder)
+    try:
+        _, version = channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0,
+                                  (0, 1)).result(timeout=30)
+        assert version == 1
+    finally:
+        channel.close()
+
+
+def test_refused_pushes_name_the_problem_and_the_channel_goes_on(client, holder):
+    channel = _connect(client, holder)
+    try:
+        wrong = np.ones(FEATURES + 3, dtype=np.float32)
+        with pytest.raises(ValueError, match=f"pushed {FEATURES + 3} float32 values.*"
+                                             "model differs from the holder's"):
+            channel.push(0, wrong, 1, 0.0, (0, 1)).result(timeout=30)
+        _, version = channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0,
+                                  (0, 1)).result(timeout=30)
+        assert version == 1
+    finally:
+        channel.close()
+
+
+def test_a_push_from_an_unknown_worker_is_refused(client, holder):
+    info = holder.join(0, None, LAYOUT).result(timeout=30)
+    handle = HolderHandle(holder, 30, client)
+    channel = ChannelClient(info["channel"], 7, LAYOUT.size, 30, handle.holder_alive)
+    try:
+        with pytest.raises(ValueError, match="unknown worker 7"):
+            channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0, (0, 1)).result(timeout=30)
+    finally:
+        channel.close()
+
+
+def test_a_push_waiting_when_the_holder_closes_fails_clearly(client):
+    config = HolderConfig(model=functools.partial(_zeros, FEATURES),
+                          optimizer=dt.optim.sgd(1.0), workers=2, mode="sync")
+    future = client.submit(ParameterHolder, config, actor=True, pure=False)
+    holder = future.result(timeout=60)
+    try:
+        channel = _connect(client, holder)
+        # Worker 1 never pushes: the sync step waits for it until the holder closes.
+        pending = channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0, (0, 1))
+        holder.close().result(timeout=30)
+        with pytest.raises(dt.TrainerError, match="closed"):
+            pending.result(timeout=30)
+        channel.close()
+    finally:
+        future.release()
+
+
+async def _stop_accepting(dask_worker, key: str) -> None:
+    await dask_worker.state.actors[key]._channel.stop_accepting()
+
+
+def test_a_worker_that_cannot_reach_the_channel_pushes_through_the_actor(client, holder):
+    address = holder._address
+    handle = HolderHandle(holder, 30, client)
+    handle.join(0, None, LAYOUT)
+    assert handle.via == "direct"
+    handle.close()
+    # As behind a firewall that lets Dask's ports through and not the holder's own.
+    client.run(_stop_accepting, key=holder.key, workers=[address])
+    handle = HolderHandle(holder, 30, client)
+    info = handle.join(0, None, LAYOUT)
+    assert info["channel"] is not None and handle.via == "actor"
+    params, version = handle.wait(handle.push(0, 0, np.ones(FEATURES, np.float32), 1, 0.0,
+                                              (0, 1)), "a push")
+    assert version == 1 and np.array_equal(params, -np.ones(FEATURES))

@@ -1,0 +1,339 @@
+"""A direct TCP connection per trainer worker to the holder, for gradients and parameters.
+
+Dask's actor calls cost milliseconds each (a message through the worker's RPC layer, a
+task-like dispatch, serialisation into frames and back), several times what the bytes take
+on the wire. Pushes, the only calls made every step, therefore go over a plain socket of
+their own: a fixed header, then the raw float32 payload, received straight into a buffer
+that is reused step after step. Everything else (joining, progress, checkpoints) stays on
+the actor.
+
+The holder listens on its worker's own host (the interface Dask already uses) on a port
+chosen by the system; a connection is accepted only after it presents the holder's random
+token, which workers receive through the actor. Clusters whose comm is not plain TCP (TLS,
+UCX) keep every call on the actor, and so does a worker that cannot reach the port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from dasktrain.trainer.errors import HolderLost, TrainerError
+
+__all__ = ["ChannelClient", "ChannelServer", "channel_host"]
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_BYTES = 16
+_HELLO = struct.Struct(f"<{_TOKEN_BYTES}sq")  # token, worker
+# version, count, loss, epoch, batches, payload bytes (-1: no batch this step)
+_PUSH = struct.Struct("<qqdqqq")
+# status, version, bytes of the parameters (or of the error message)
+_REPLY = struct.Struct("<qqq")
+_OK, _VALUE_ERROR, _TRAINER_ERROR = 0, 1, 2
+_ACCEPTED = b"\x01"
+_DRAIN = 1 << 20  # bytes read at a time from a payload that is refused
+_CONNECT_TIMEOUT = 10.0
+_SLICE = 2.0  # seconds between liveness checks while a transfer makes no progress
+
+PushFunction = Callable[..., Awaitable[tuple[np.ndarray, int]]]
+
+
+def channel_host(worker_address: str) -> str | None:
+    """The host to listen on for a worker at ``worker_address``; None where the cluster's
+    comm is not plain TCP."""
+    scheme, _, rest = worker_address.partition("://")
+    if scheme != "tcp" or not rest:
+        return None
+    host = rest.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+class ChannelServer:
+    """The holder's side: accepts workers' connections and serves their pushes."""
+
+    def __init__(self, push: PushFunction, size: int) -> None:
+        self._push = push
+        self._size = size
+        self.token = secrets.token_bytes(_TOKEN_BYTES)
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.address: tuple[str, int] | None = None
+
+    async def start(self, host: str) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(64)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self.address = (host, listener.getsockname()[1])
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(listener))
+
+    def contact(self) -> dict[str, Any] | None:
+        """What a worker needs to connect (sent through the actor)."""
+        if self.address is None:
+            return None
+        return {"host": self.address[0], "port": self.address[1], "token": self.token}
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError:  # closed
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._spawn(self._serve(sock))
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            hello = bytearray(_HELLO.size)
+            await asyncio.wait_for(_recv_into(loop, sock, memoryview(hello)),
+                                   _CONNECT_TIMEOUT)
+            token, worker = _HELLO.unpack(hello)
+            if not hmac.compare_digest(token, self.token):
+                logger.warning("parameter holder: refused a connection with a wrong token")
+                return
+            await loop.sock_sendall(sock, _ACCEPTED)
+            payload = np.empty(self._size, dtype=np.float32)
+            view = memoryview(payload).cast("B")
+            header = bytearray(_PUSH.size)
+            while True:
+                await _recv_into(loop, sock, memoryview(header))
+                version, count, loss, epoch, batches, nbytes = _PUSH.unpack(header)
+                if nbytes not in (-1, view.nbytes):
+                    await _drain(loop, sock, nbytes)
+                    message = (f"worker {worker} pushed {max(nbytes, 0) // 4} float32 values; "
+                               f"the holder's model takes {self._size}: the worker's model "
+                               "differs from the holder's")
+                    await _send_error(loop, sock, _VALUE_ERROR, message)
+                    continue
+                grads = None
+                if nbytes >= 0:
+                    await _recv_into(loop, sock, view)
+                    grads = payload
+                try:
+                    params, new_version = await self._push(worker, version, grads, count,
+                                                           loss, (epoch, batches))
+                except ValueError as exc:
+                    await _send_error(loop, sock, _VALUE_ERROR, str(exc))
+                    continue
+                except Exception as exc:
+                    await _send_error(loop, sock, _TRAINER_ERROR, str(exc))
+                    continue
+                out = memoryview(params).cast("B")
+                await loop.sock_sendall(sock, _REPLY.pack(_OK, new_version, out.nbytes))
+                await loop.sock_sendall(sock, out)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # the worker went away (it rejoins through the actor if it comes back)
+        finally:
+            sock.close()
+
+    async def stop_accepting(self) -> None:
+        """Take no more connections (those open are still served)."""
+        # The accept must be cancelled, and its reader unregistered, before the socket
+        # closes: the loop's selector must never watch a closed (or reused) descriptor.
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection."""
+        await self.stop_accepting()
+        self.address = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                     view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed")
+        got += n
+
+
+async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int) -> None:
+    scratch = memoryview(bytearray(min(max(nbytes, 0), _DRAIN)))
+    left = nbytes
+    while left > 0:
+        chunk = scratch[: min(left, scratch.nbytes)]
+        await _recv_into(loop, sock, chunk)
+        left -= chunk.nbytes
+
+
+async def _send_error(loop: asyncio.AbstractEventLoop, sock: socket.socket, status: int,
+                      message: str) -> None:
+    data = message.encode()
+    await loop.sock_sendall(sock, _REPLY.pack(status, -1, len(data)) + data)
+
+
+class _Wait:
+    """A deadline and what it is for (for the error that says it passed)."""
+
+    __slots__ = ("deadline", "seconds", "what")
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.seconds = seconds
+        self.what = what
+
+
+class ChannelClient:
+    """A trainer worker's side: one blocking socket used from the worker's own thread.
+
+    ``alive`` tells whether the holder's worker still exists; it is asked whenever a transfer
+    makes no progress for a couple of seconds, so a dead holder fails a wait at once and a
+    silent one after ``timeout`` seconds.
+    """
+
+    def __init__(self, contact: dict[str, Any], worker: int, size: int, timeout: float,
+                 alive: Callable[[], bool]) -> None:
+        self.timeout = timeout
+        self._alive = alive
+        self._host = f"{contact['host']}:{contact['port']}"
+        self._sock = socket.create_connection((contact["host"], contact["port"]),
+                                              timeout=_CONNECT_TIMEOUT)
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.sendall(_HELLO.pack(contact["token"], worker))
+            accepted = bytearray(1)
+            self._recv_into(memoryview(accepted),
+                            _Wait(_CONNECT_TIMEOUT, "the holder to accept the connection"))
+        except BaseException:
+            self._sock.close()
+            raise
+        self._params = np.empty(size, dtype=np.float32)
+        self._header = bytearray(_REPLY.size)
+        self._pending = False
+
+    def push(self, version: int, grads: np.ndarray | None, count: int, loss: float,
+             position: tuple[int, int]) -> PendingPush:
+        """Send one push; the reply is read by the returned object's ``result``."""
+        if self._pending:
+            raise TrainerError("a push is already waiting for its reply on this channel")
+        nbytes = -1 if grads is None else grads.nbytes
+        wait = _Wait(self.timeout, "the holder to take a push")
+        self._send(_PUSH.pack(version, count, loss, position[0], position[1], nbytes), wait)
+        if grads is not None:
+            self._send(memoryview(np.ascontiguousarray(grads, dtype=np.float32)).cast("B"),
+                       wait)
+        self._pending = True
+        return PendingPush(self)
+
+    def receive(self, timeout: float, what: str) -> tuple[np.ndarray, int]:
+        """The reply to the pending push: the parameters (valid until the next push)."""
+        wait = _Wait(timeout, what)
+        self._recv_into(memoryview(self._header), wait)
+        status, version, nbytes = _REPLY.unpack(self._header)
+        if status != _OK:
+            message = bytearray(nbytes)
+            self._recv_into(memoryview(message), wait)
+            self._pending = False
+            error = ValueError if status == _VALUE_ERROR else TrainerError
+            raise error(message.decode(errors="replace"))
+        view = memoryview(self._params).cast("B")
+        if nbytes != view.nbytes:
+            self.close()
+            raise TrainerError(f"the holder sent {nbytes} bytes of parameters, expected "
+                               f"{view.nbytes}")
+        self._recv_into(view, wait)
+        self._pending = False
+        return self._params, version
+
+    def _send(self, data: bytes | memoryview, wait: _Wait) -> None:
+        view = memoryview(data)
+        sent = 0
+        while sent < view.nbytes:
+            self._sock.settimeout(self._slice(wait))
+            try:
+                sent += self._sock.send(view[sent:])
+            except TimeoutError:
+                self._check_alive(wait.what)
+            except OSError as exc:
+                raise self._lost(exc) from exc
+
+    def _recv_into(self, view: memoryview, wait: _Wait) -> None:
+        got = 0
+        while got < view.nbytes:
+            self._sock.settimeout(self._slice(wait))
+            try:
+                n = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                self._check_alive(wait.what)
+                continue
+            except OSError as exc:
+                raise self._lost(exc) from exc
+            if n == 0:
+                raise self._lost(ConnectionError("connection closed by the holder"))
+            got += n
+
+    def _slice(self, wait: _Wait) -> float:
+        """Seconds to block next; fails once the deadline has passed."""
+        left = wait.deadline - time.monotonic()
+        if left <= 0:
+            self.close()
+            raise TrainerError(f"no answer from the parameter holder ({self._host}) for "
+                               f"{wait.what} after {wait.seconds:.0f}s")
+        return min(_SLICE, left)
+
+    def _check_alive(self, what: str) -> None:
+        if not self._alive():
+            self.close()
+            raise HolderLost(f"the parameter holder's worker ({self._host}) died while "
+                             f"waiting for {what}")
+
+    def _lost(self, exc: BaseException) -> HolderLost:
+        self.close()
+        return HolderLost(f"lost the connection to the parameter holder ({self._host}): "
+                          f"{exc}")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class PendingPush:
+    """The reply to a push still on its way (like a future: ``result(timeout)``)."""
+
+    def __init__(self, channel: ChannelClient) -> None:
+        self._channel = channel
+        self._value: tuple[np.ndarray, int] | None = None
+
+    def result(self, timeout: float | None = None, what: str = "a push"
+               ) -> tuple[np.ndarray, int]:
+        """The parameters and their version; waits up to ``timeout`` seconds (default: the
+        channel's), checking all the while that the holder's worker lives."""
+        if self._value is None:
+            seconds = self._channel.timeout if timeout is None else timeout
+            self._value = self._channel.receive(seconds, what)
+        return self._value
