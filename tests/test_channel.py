@@ -108,6 +108,20 @@ def test_a_push_from_an_unknown_worker_is_refused(client, holder):
         channel.close()
 
 
+def test_a_reconnecting_worker_replaces_its_old_connection(client, holder):
+    old = _connect(client, holder)
+    new = _connect(client, holder)  # as a restarted worker does
+    try:
+        ones = np.ones(FEATURES, np.float32)
+        with pytest.raises(dt.HolderLost, match="lost the connection to the parameter holder"):
+            old.push(0, ones, 1, 0.0, (0, 1)).result(timeout=30)
+        _, version = new.push(0, ones, 1, 0.0, (0, 1)).result(timeout=30)
+        assert version == 1
+    finally:
+        old.close()
+        new.close()
+
+
 def test_a_push_waiting_when_the_holder_closes_fails_clearly(client):
     config = HolderConfig(model=functools.partial(_zeros, FEATURES),
                           optimizer=dt.optim.sgd(1.0), workers=2, mode="sync")

@@ -244,6 +244,37 @@ def test_flat_model_gradients_and_buffers_live_in_one_buffer():
         flat.layout.size - 1
 
 
+class _Float64Buffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.register_buffer("scale", torch.ones(2, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.mul_(2.0)
+        return self.linear(x) * self.scale.float()
+
+
+def test_flat_model_receives_straight_into_its_own_parameters_and_buffers():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    flat = FlatModel(model)
+    target = flat.receive_buffer()
+    target[:] = np.arange(flat.layout.size, dtype=np.float32)  # as a reply lands
+    flat.load(target)
+    state = torch.cat([flat_parameters(model), model[1].running_mean, model[1].running_var])
+    torch.testing.assert_close(state, torch.arange(flat.layout.size, dtype=torch.float32))
+    model(torch.randn(8, 3))  # batch norm updates its statistics in the flat state
+    assert np.array_equal(flat.payload()[-8:], flat.state()[-8:])
+    assert not np.array_equal(flat.state()[-8:], np.arange(flat.layout.size)[-8:])
+    # A buffer of another precision keeps its dtype and is copied in and out.
+    odd = FlatModel(_Float64Buffer())
+    odd.model(torch.ones(1, 2))
+    assert odd.model.scale.dtype == torch.float64
+    assert odd.payload()[-2:].tolist() == [2.0, 2.0]
+    odd.load(np.full(odd.layout.size, 3.0, dtype=np.float32))
+    assert odd.model.scale.tolist() == [3.0, 3.0]
+
+
 def _zeros(features: int) -> torch.nn.Module:
     model = torch.nn.Linear(features, 1, bias=False)
     torch.nn.init.zeros_(model.weight)

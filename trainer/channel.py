@@ -69,6 +69,7 @@ class ChannelServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._by_worker: dict[int, asyncio.Task] = {}
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str) -> None:
@@ -109,6 +110,7 @@ class ChannelServer:
 
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        worker = None
         try:
             hello = bytearray(_HELLO.size)
             await asyncio.wait_for(_recv_into(loop, sock, memoryview(hello)),
@@ -117,6 +119,12 @@ class ChannelServer:
             if not hmac.compare_digest(token, self.token):
                 logger.warning("parameter holder: refused a connection with a wrong token")
                 return
+            # A worker that connects again was restarted: its old connection may never see
+            # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
+            older = self._by_worker.get(worker)
+            if older is not None and older is not asyncio.current_task():
+                older.cancel()
+            self._by_worker[worker] = asyncio.current_task()
             await loop.sock_sendall(sock, _ACCEPTED)
             payload = np.empty(self._size, dtype=np.float32)
             view = memoryview(payload).cast("B")
@@ -147,9 +155,13 @@ class ChannelServer:
                 out = memoryview(params).cast("B")
                 await loop.sock_sendall(sock, _REPLY.pack(_OK, new_version, out.nbytes))
                 await loop.sock_sendall(sock, out)
-        except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError):
+        except (ConnectionError, OSError, TimeoutError):
             pass  # the worker went away (it rejoins through the actor if it comes back)
+        except Exception:
+            logger.exception("parameter holder: a push connection failed")
         finally:
+            if worker is not None and self._by_worker.get(worker) is asyncio.current_task():
+                del self._by_worker[worker]
             sock.close()
 
     async def stop_accepting(self) -> None:
@@ -211,13 +223,16 @@ class _Wait:
 class ChannelClient:
     """A trainer worker's side: one blocking socket used from the worker's own thread.
 
+    Replies are received into ``into`` (default: an array of its own), which the returned
+    parameters then are: valid until the next push.
+
     ``alive`` tells whether the holder's worker still exists; it is asked whenever a transfer
     makes no progress for a couple of seconds, so a dead holder fails a wait at once and a
     silent one after ``timeout`` seconds.
     """
 
     def __init__(self, contact: dict[str, Any], worker: int, size: int, timeout: float,
-                 alive: Callable[[], bool]) -> None:
+                 alive: Callable[[], bool], into: np.ndarray | None = None) -> None:
         self.timeout = timeout
         self._alive = alive
         self._host = f"{contact['host']}:{contact['port']}"
@@ -232,7 +247,12 @@ class ChannelClient:
         except BaseException:
             self._sock.close()
             raise
-        self._params = np.empty(size, dtype=np.float32)
+        # Where replies land (the worker's model itself, when it lives on the CPU).
+        self._params = np.empty(size, dtype=np.float32) if into is None else into
+        if self._params.dtype != np.float32 or self._params.shape != (size,) \
+                or not self._params.flags.c_contiguous:
+            self.close()
+            raise ValueError(f"the receive buffer must be {size} contiguous float32 values")
         self._header = bytearray(_REPLY.size)
         self._pending = False
 

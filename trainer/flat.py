@@ -1,10 +1,10 @@
 """A model's parameters and gradients as one flat float32 buffer each.
 
 The holder and the workers exchange one contiguous buffer per message (one frame on the
-wire, no per-tensor overhead). On a worker the model's parameters are re-pointed to views of
-one flat tensor and their ``.grad`` to views of another, so "flattening" costs nothing:
-backward writes straight into the buffer that is sent, and fresh parameters are loaded with
-one copy.
+wire, no per-tensor overhead). On a worker the model's parameters and buffers are re-pointed
+to views of one flat tensor and the parameters' ``.grad`` to views of another, so
+"flattening" costs nothing: backward writes straight into the buffer that is sent, and fresh
+parameters are loaded with one copy, or none when received straight into the model.
 
 Layout of a payload: the parameters (in ``named_parameters`` order), then the model's
 floating-point buffers (batch-norm running statistics...), each flattened.
@@ -69,12 +69,12 @@ class FlatLayout:
 
 
 class FlatModel:
-    """A module whose parameters (and gradients) live in flat buffers.
+    """A module whose state (parameters, then buffers) and gradients live in flat buffers.
 
     Parameters
     ----------
     model
-        The module; its parameters are re-pointed in place.
+        The module; its parameters and float32 buffers are re-pointed in place.
     device
         Where the model runs. On CUDA the outgoing gradients are staged in pinned host
         memory and copied without blocking.
@@ -85,13 +85,16 @@ class FlatModel:
         self.model = model.to(self.device)
         self.layout = FlatLayout.of(model)
         params = [p for _, p in model.named_parameters() if p.requires_grad]
-        self._buffers = [b for _, b in model.named_buffers() if b.is_floating_point()]
+        buffers = [b for _, b in model.named_buffers() if b.is_floating_point()]
         n = self.layout.num_params
         pinned = self.device.type == "cuda"
+        # The model's state, parameters then buffers, as one tensor: fresh parameters are
+        # one copy in (on CPU, received straight into it), the state one copy out.
+        self._state = torch.empty(self.layout.size, dtype=torch.float32, device=self.device)
+        self.params = self._state[:n]
         # The outgoing payload: gradients then buffers. On CPU the gradients live in it (no
         # copy to send); on CUDA it is pinned host memory the gradients are copied into.
         self._host = torch.zeros(self.layout.size, dtype=torch.float32, pin_memory=pinned)
-        self.params = torch.empty(n, dtype=torch.float32, device=self.device)
         self.grads = (self._host[:n] if self.device.type == "cpu" else
                       torch.zeros(n, dtype=torch.float32, device=self.device))
         offset = 0
@@ -102,48 +105,63 @@ class FlatModel:
             p.data = self.params[offset:offset + k].view_as(p)
             p.grad = self.grads[offset:offset + k].view_as(p)
             offset += k
+        # Buffers of another precision keep their storage and are copied in and out.
+        self._copied: list[tuple[int, torch.Tensor]] = []
+        for b in buffers:
+            k = b.numel()
+            view = self._state[offset:offset + k]
+            view.copy_(b.detach().reshape(-1))
+            if b.dtype == torch.float32:
+                b.data = view.view_as(b)
+            else:
+                self._copied.append((offset, b))
+            offset += k
+        self._received: np.ndarray | None = None
 
     def payload(self) -> np.ndarray:
         """Gradients then buffers, as one contiguous float32 host array (reused: send it
         before the next backward)."""
+        n = self.layout.num_params
+        self._sync_copied()
         if self.device.type != "cpu":
-            self._host[: self.layout.num_params].copy_(self.grads, non_blocking=True)
-        self._gather_buffers(self._host, non_blocking=True)
+            self._host[:n].copy_(self.grads, non_blocking=True)
+        self._host[n:].copy_(self._state[n:], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return self._host.numpy()
 
     def state(self) -> np.ndarray:
         """Parameters then buffers, as a new float32 host array."""
-        out = torch.empty(self.layout.size, dtype=torch.float32)
-        out[: self.layout.num_params].copy_(self.params)
-        self._gather_buffers(out, non_blocking=False)
-        return out.numpy()
+        self._sync_copied()
+        return self._state.detach().to("cpu", copy=True).numpy()
 
-    def _gather_buffers(self, out: torch.Tensor, non_blocking: bool) -> None:
-        """Copy the floating-point buffers into ``out`` after the parameters' part."""
-        offset = self.layout.num_params
-        for b in self._buffers:
-            k = b.numel()
-            out[offset:offset + k].copy_(b.detach().reshape(-1), non_blocking=non_blocking)
-            offset += k
+    def receive_buffer(self) -> np.ndarray:
+        """A host array to receive fresh parameters (then buffers) into; :meth:`load` of it
+        costs nothing more on CPU, where it is the model's own state."""
+        if self._received is None:
+            self._received = (self._state.numpy() if self.device.type == "cpu" else
+                              np.empty(self.layout.size, dtype=np.float32))
+        return self._received
 
     def load(self, values: np.ndarray) -> None:
         """Take parameters then buffers from a payload-shaped array."""
         if values.shape != (self.layout.size,):
             raise ValueError(f"expected {self.layout.size} values, got {values.shape}")
-        with warnings.catch_warnings():
-            # Received buffers may be read-only; they are only read here.
-            warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(np.ascontiguousarray(values))
-        n = self.layout.num_params
+        if not (self.device.type == "cpu" and values is self._received):
+            with warnings.catch_warnings():
+                # Received buffers may be read-only; they are only read here.
+                warnings.simplefilter("ignore", UserWarning)
+                source = torch.from_numpy(np.ascontiguousarray(values))
+            with torch.no_grad():
+                self._state.copy_(source, non_blocking=True)
         with torch.no_grad():
-            self.params.copy_(source[:n], non_blocking=True)
-            offset = n
-            for b in self._buffers:
-                k = b.numel()
-                b.copy_(source[offset:offset + k].view_as(b), non_blocking=True)
-                offset += k
+            for offset, b in self._copied:
+                b.copy_(self._state[offset:offset + b.numel()].view_as(b))
+
+    def _sync_copied(self) -> None:
+        """Bring buffers of another precision into the flat state."""
+        for offset, b in self._copied:
+            self._state[offset:offset + b.numel()].copy_(b.detach().reshape(-1))
 
     def zero_grad(self) -> None:
         self.grads.zero_()

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 from distributed import Client, get_client, get_worker
 
 from dasktrain._cluster import worker_info
@@ -64,15 +65,17 @@ class HolderHandle:
         """How pushes reach the holder: ``"local"``, ``"direct"`` or ``"actor"``."""
         return "local" if self.local else "direct" if self.direct else "actor"
 
-    def join(self, worker: int, address: str | None, layout: FlatLayout) -> dict[str, Any]:
-        """Join the holder as ``worker``; opens the direct channel for pushes if offered."""
+    def join(self, worker: int, address: str | None, layout: FlatLayout,
+             into: np.ndarray | None = None) -> dict[str, Any]:
+        """Join the holder as ``worker``; opens the direct channel for pushes if offered,
+        whose replies are received into ``into`` when given."""
         info = self.request("join", worker, address, layout, what=f"worker {worker} to join")
         contact = info.get("channel")
         if contact is not None and self._local is None:
             self.close()
             try:
                 self._channel = ChannelClient(contact, worker, layout.size, self.timeout,
-                                              self.holder_alive)
+                                              self.holder_alive, into)
             except (OSError, TrainerError) as exc:
                 # A firewall may let Dask's ports through and not this one.
                 logger.warning("worker %d cannot reach the holder's channel at %s:%s (%s); "

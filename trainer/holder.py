@@ -341,11 +341,15 @@ class ParameterHolder:
             return None
         if len(used) == 1:
             return _tensor(used[0].grads)
-        total = sum(c.count for c in used)
+        # A running weighted mean, one pass per further payload: after each step ``out``
+        # is the mean of the payloads so far (lerp: out + w * (g - out)).
         out = self._average_buffer
-        torch.mul(_tensor(used[0].grads), used[0].count / total, out=out)
-        for c in used[1:]:
-            out.add_(_tensor(c.grads), alpha=c.count / total)
+        first, second = used[0], used[1]
+        seen = first.count + second.count
+        torch.lerp(_tensor(first.grads), _tensor(second.grads), second.count / seen, out=out)
+        for c in used[2:]:
+            seen += c.count
+            out.lerp_(_tensor(c.grads), c.count / seen)
         return out
 
     def _step(self, average: torch.Tensor) -> None:

@@ -72,7 +72,7 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
 
 def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: torch.device,
            worker: int, address: str | None, epoch: int, started: float) -> dict[str, Any]:
-    info = handle.join(worker, address, flat.layout)
+    info = handle.join(worker, address, flat.layout, into=flat.receive_buffer())
     flat.load(info["params"])
     version = int(info["version"])
     # One pipeline per epoch task: a head start on the next epoch would be thrown away.
