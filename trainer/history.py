@@ -17,8 +17,10 @@ class History:
     over the gradients applied), ``samples``, ``contributors`` (gradients averaged) and
     ``time``. Per applied gradient: ``staleness`` (holder version at apply time minus the
     version it was computed on) and ``staleness_worker``. Per epoch: a dict in ``epochs``
-    with wall time, samples/s, data-stall fraction and validation metrics. ``events`` says
-    what happened to workers (lost, rejoined, refused gradients).
+    with wall time, samples/s, data-stall fraction, the workers' mean time waiting for the
+    exchange (``exchange_s``), how they reached the holder (``exchange_via``: counts of
+    ``local``, ``direct``, ``actor``) and validation metrics. ``events`` says what happened
+    to workers (lost, rejoined, refused gradients).
     """
 
     mode: str = ""

@@ -15,7 +15,12 @@ __all__ = ["Contribution", "UpdateMode"]
 
 @dataclasses.dataclass(slots=True)
 class Contribution:
-    """One worker's push: the gradient of its batch at the parameters of ``version``."""
+    """One worker's push: the gradient of its batch at the parameters of ``version``.
+
+    ``grads`` may be a buffer the sender reuses for its next push (the direct channel's
+    receive buffer): it is valid until the mode's :meth:`UpdateMode.push` returns, so a mode
+    that keeps a gradient for a later update must copy it.
+    """
 
     worker: int
     version: int
