@@ -6,9 +6,11 @@ in the epoch. Workers ``push`` gradients and get fresh parameters back; *when* a
 applied is the update mode's business (:mod:`dasktrain.trainer.modes`).
 
 Threading: every public method is ``async`` and runs on the holder worker's event loop, so
-barriers are plain asyncio futures. All arithmetic runs on one private thread, in order:
-updates, snapshots and checkpoints never interleave, and the event loop (heartbeats,
-transfers) never waits on numpy.
+barriers are plain asyncio futures. The arithmetic of models over 1M values (4 MB) runs on
+one private thread, in order, so the event loop (heartbeats, transfers) never waits on it;
+that of smaller ones runs on the loop itself, where it takes less time (under 1 ms at 1 MB)
+than the hand-off to a thread would add. Either way updates, snapshots and checkpoints run in
+one place and never interleave.
 """
 
 from __future__ import annotations
