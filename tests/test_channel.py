@@ -5,6 +5,7 @@ and leave the connection usable, and a fallback to the actor when the port is un
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +91,8 @@ def test_refused_pushes_name_the_problem_and_the_channel_goes_on(client, holder)
         with pytest.raises(ValueError, match=f"pushed {FEATURES + 3} float32 values.*"
                                              "model differs from the holder's"):
             channel.push(0, wrong, 1, 0.0, (0, 1)).result(timeout=30)
+        with pytest.raises(ValueError, match="1-D float32 array, got float64"):
+            channel.push(0, np.ones(FEATURES), 1, 0.0, (0, 1))
         _, version = channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0,
                                   (0, 1)).result(timeout=30)
         assert version == 1
@@ -113,13 +116,56 @@ def test_a_reconnecting_worker_replaces_its_old_connection(client, holder):
     new = _connect(client, holder)  # as a restarted worker does
     try:
         ones = np.ones(FEATURES, np.float32)
-        with pytest.raises(dt.HolderLost, match="lost the connection to the parameter holder"):
+        with pytest.raises(dt.TrainerError, match="whose worker is still alive") as error:
             old.push(0, ones, 1, 0.0, (0, 1)).result(timeout=30)
+        assert not isinstance(error.value, dt.HolderLost)
         _, version = new.push(0, ones, 1, 0.0, (0, 1)).result(timeout=30)
         assert version == 1
     finally:
         old.close()
         new.close()
+
+
+def _sync_holder(client):
+    config = HolderConfig(model=functools.partial(_zeros, FEATURES),
+                          optimizer=dt.optim.sgd(1.0), workers=2, mode="sync")
+    future = client.submit(ParameterHolder, config, actor=True, pure=False)
+    return future, future.result(timeout=60)
+
+
+def _until_waiting_for(holder, workers: list[int]) -> None:
+    """Poll the holder until its pending update waits for exactly ``workers``."""
+    deadline = time.monotonic() + 30
+    while holder.progress().result(timeout=30)["waiting_for"] != workers:
+        assert time.monotonic() < deadline, "the holder never got the push"
+
+
+def test_a_worker_reconnecting_while_its_push_waits_on_the_barrier(client):
+    future, holder = _sync_holder(client)
+    try:
+        first = _connect(client, holder, worker=0)
+        waiting = first.push(0, np.full(FEATURES, 2.0, np.float32), 1, 0.0, (0, 1))
+        _until_waiting_for(holder, [1])
+        again = _connect(client, holder, worker=0)  # worker 0 restarted meanwhile
+        other = _connect(client, holder, worker=1)
+        # Worker 0's gradient stays in the round; worker 1's completes it, and the barrier
+        # the dropped connection waited on still answers everyone else.
+        params, version = other.push(0, np.full(FEATURES, 4.0, np.float32), 1, 0.0,
+                                     (0, 1)).result(timeout=30)
+        assert version == 1 and np.array_equal(params, np.full(FEATURES, -3.0))
+        with pytest.raises(dt.TrainerError, match="whose worker is still alive"):
+            waiting.result(timeout=30)
+        # The restarted worker takes part in the next round over its new connection.
+        pending = again.push(1, np.full(FEATURES, 2.0, np.float32), 1, 0.0, (0, 2))
+        params, version = other.push(1, np.full(FEATURES, 2.0, np.float32), 1, 0.0,
+                                     (0, 2)).result(timeout=30)
+        assert version == 2 and np.array_equal(params, np.full(FEATURES, -5.0))
+        assert pending.result(timeout=30)[1] == 2
+        for channel in (first, again, other):
+            channel.close()
+    finally:
+        holder.close().result(timeout=30)
+        future.release()
 
 
 def test_a_push_waiting_when_the_holder_closes_fails_clearly(client):

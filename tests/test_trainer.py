@@ -342,3 +342,25 @@ def test_state_at_is_taken_at_exactly_that_version():
     assert at_five["version"] == 5
     assert torch.equal(at_five["params"], torch.full_like(at_five["params"], -5.0))
     assert now["version"] == 8
+
+
+def test_an_average_near_the_float32_limit_is_taken_as_a_weighted_sum():
+    """The running mean takes differences (3e38 - -3e38 overflows); finite payloads whose
+    weighted sum is finite must still be applied, not refused or turned into inf."""
+    async def scenario(values):
+        config = HolderConfig(model=functools.partial(_zeros, 4),
+                              optimizer=dt.optim.sgd(1.0), workers=2, mode="sync")
+        holder = ParameterHolder(config)
+        for w in range(2):
+            await holder.join(w, None, holder.layout)
+        pushes = [holder.push(w, 0, np.full(4, v, dtype=np.float32), 1, 0.0, (0, 1))
+                  for w, v in enumerate(values)]
+        (params, version), _ = await asyncio.gather(*pushes)
+        refused = holder.refused
+        await holder.close()
+        return params.copy(), version, refused
+
+    params, version, refused = asyncio.run(scenario([3e38, -3e38]))
+    assert version == 1 and refused == 0 and np.array_equal(params, np.zeros(4))
+    params, version, refused = asyncio.run(scenario([3e38, 1e38]))
+    assert refused == 0 and np.allclose(params, -2e38, rtol=1e-6)

@@ -45,8 +45,22 @@ _ACCEPTED = b"\x01"
 _DRAIN = 1 << 20  # bytes read at a time from a payload that is refused
 _CONNECT_TIMEOUT = 10.0
 _SLICE = 2.0  # seconds between liveness checks while a transfer makes no progress
+_ACCEPT_RETRY = 0.5  # seconds before accepting again after a failed accept
+_LOST_GRACE = 1.0  # seconds the scheduler has to report a dead holder after a dropped connection
+# Keep-alive probes (seconds idle, seconds apart, count): a peer that vanished without a
+# reset is noticed in about two minutes instead of the system's two hours.
+_KEEPALIVE = (60, 10, 6)
 
 PushFunction = Callable[..., Awaitable[tuple[np.ndarray, int]]]
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), _KEEPALIVE,
+                           strict=True):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def channel_host(worker_address: str) -> str | None:
@@ -69,7 +83,7 @@ class ChannelServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._by_worker: dict[int, asyncio.Task] = {}
+        self._by_worker: dict[int, socket.socket] = {}
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str) -> None:
@@ -102,10 +116,15 @@ class ChannelServer:
         while True:
             try:
                 sock, _ = await loop.sock_accept(listener)
-            except OSError:  # closed
-                return
+            except OSError as exc:
+                if listener.fileno() == -1:  # closed
+                    return
+                # Out of descriptors, say: keep listening, but not in a busy loop.
+                logger.warning("parameter holder: accepting a push connection failed: %s", exc)
+                await asyncio.sleep(_ACCEPT_RETRY)
+                continue
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock)
             self._spawn(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
@@ -121,10 +140,13 @@ class ChannelServer:
                 return
             # A worker that connects again was restarted: its old connection may never see
             # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
+            # Shut its socket rather than cancel its task, which may be waiting on a barrier
+            # future shared with the other workers' pushes.
             older = self._by_worker.get(worker)
-            if older is not None and older is not asyncio.current_task():
-                older.cancel()
-            self._by_worker[worker] = asyncio.current_task()
+            if older is not None and older is not sock:
+                with contextlib.suppress(OSError):
+                    older.shutdown(socket.SHUT_RDWR)
+            self._by_worker[worker] = sock
             await loop.sock_sendall(sock, _ACCEPTED)
             payload = np.empty(self._size, dtype=np.float32)
             view = memoryview(payload).cast("B")
@@ -144,8 +166,10 @@ class ChannelServer:
                     await _recv_into(loop, sock, view)
                     grads = payload
                 try:
-                    params, new_version = await self._push(worker, version, grads, count,
-                                                           loss, (epoch, batches))
+                    # Shielded: cancelling this connection (the holder closing) must not
+                    # cancel a barrier the other workers' pushes wait on too.
+                    params, new_version = await asyncio.shield(
+                        self._push(worker, version, grads, count, loss, (epoch, batches)))
                 except ValueError as exc:
                     await _send_error(loop, sock, _VALUE_ERROR, str(exc))
                     continue
@@ -155,12 +179,14 @@ class ChannelServer:
                 out = memoryview(params).cast("B")
                 await loop.sock_sendall(sock, _REPLY.pack(_OK, new_version, out.nbytes))
                 await loop.sock_sendall(sock, out)
+                # Not held while idle: the holder reuses snapshot buffers no one refers to.
+                del params, out
         except (ConnectionError, OSError, TimeoutError):
             pass  # the worker went away (it rejoins through the actor if it comes back)
         except Exception:
             logger.exception("parameter holder: a push connection failed")
         finally:
-            if worker is not None and self._by_worker.get(worker) is asyncio.current_task():
+            if worker is not None and self._by_worker.get(worker) is sock:
                 del self._by_worker[worker]
             sock.close()
 
@@ -239,7 +265,7 @@ class ChannelClient:
         self._sock = socket.create_connection((contact["host"], contact["port"]),
                                               timeout=_CONNECT_TIMEOUT)
         try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(self._sock)
             self._sock.sendall(_HELLO.pack(contact["token"], worker))
             accepted = bytearray(1)
             self._recv_into(memoryview(accepted),
@@ -261,24 +287,29 @@ class ChannelClient:
         """Send one push; the reply is read by the returned object's ``result``."""
         if self._pending:
             raise TrainerError("a push is already waiting for its reply on this channel")
-        nbytes = -1 if grads is None else grads.nbytes
+        if grads is not None and (not isinstance(grads, np.ndarray) or grads.ndim != 1
+                                  or grads.dtype != np.float32):
+            raise ValueError(f"a push carries a 1-D float32 array, got "
+                             f"{getattr(grads, 'dtype', type(grads).__name__)} of shape "
+                             f"{getattr(grads, 'shape', '?')}")
+        data = None if grads is None else np.ascontiguousarray(grads)
+        nbytes = -1 if data is None else data.nbytes
         wait = _Wait(self.timeout, "the holder to take a push")
         self._send(_PUSH.pack(version, count, loss, position[0], position[1], nbytes), wait)
-        if grads is not None:
-            self._send(memoryview(np.ascontiguousarray(grads, dtype=np.float32)).cast("B"),
-                       wait)
+        if data is not None:
+            self._send(memoryview(data).cast("B"), wait)
         self._pending = True
         return PendingPush(self)
 
     def receive(self, timeout: float, what: str) -> tuple[np.ndarray, int]:
         """The reply to the pending push: the parameters (valid until the next push)."""
         wait = _Wait(timeout, what)
+        self._pending = False  # whatever happens now, this reply is being consumed
         self._recv_into(memoryview(self._header), wait)
         status, version, nbytes = _REPLY.unpack(self._header)
         if status != _OK:
             message = bytearray(nbytes)
             self._recv_into(memoryview(message), wait)
-            self._pending = False
             error = ValueError if status == _VALUE_ERROR else TrainerError
             raise error(message.decode(errors="replace"))
         view = memoryview(self._params).cast("B")
@@ -287,7 +318,6 @@ class ChannelClient:
             raise TrainerError(f"the holder sent {nbytes} bytes of parameters, expected "
                                f"{view.nbytes}")
         self._recv_into(view, wait)
-        self._pending = False
         return self._params, version
 
     def _send(self, data: bytes | memoryview, wait: _Wait) -> None:
@@ -332,10 +362,18 @@ class ChannelClient:
             raise HolderLost(f"the parameter holder's worker ({self._host}) died while "
                              f"waiting for {what}")
 
-    def _lost(self, exc: BaseException) -> HolderLost:
+    def _lost(self, exc: BaseException) -> TrainerError:
+        """The error for a dropped connection: HolderLost only if the holder's worker is
+        gone. A process that dies drops its connections at the moment the scheduler learns
+        of it, so it is given a moment to tell."""
         self.close()
-        return HolderLost(f"lost the connection to the parameter holder ({self._host}): "
-                          f"{exc}")
+        deadline = time.monotonic() + _LOST_GRACE
+        while self._alive():
+            if time.monotonic() >= deadline:
+                return TrainerError(f"lost the connection to the parameter holder "
+                                    f"({self._host}), whose worker is still alive: {exc}")
+            time.sleep(_LOST_GRACE / 10)
+        return HolderLost(f"the parameter holder's worker ({self._host}) died: {exc}")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

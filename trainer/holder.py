@@ -316,7 +316,14 @@ class ParameterHolder:
                     self.refused += 1
                     self.record_event(f"worker {c.worker}: non-finite gradient refused")
             used = [c for c, finite in checked if finite]
-            grad = self._average(used)
+            grad = self._average(used, overflow_safe=True)
+            if grad is not None and not _all_finite(grad):
+                # Finite payloads whose mean is not (values at the float32 limit).
+                for c in used:
+                    self.refused += 1
+                    self.record_event(f"worker {c.worker}: gradient refused (its average "
+                                      "with the others overflows float32)")
+                used, grad = [], None
         total = sum(c.count for c in used)
         if grad is not None:
             self._step(grad)
@@ -337,12 +344,23 @@ class ParameterHolder:
             records["samples"].append(total)
             records["contributors"].append(len(used))
 
-    def _average(self, used: list[Contribution]) -> torch.Tensor | None:
-        """Batch-size-weighted mean of the payloads (gradients, then buffers)."""
+    def _average(self, used: list[Contribution], overflow_safe: bool = False
+                 ) -> torch.Tensor | None:
+        """Batch-size-weighted mean of the payloads (gradients, then buffers).
+
+        ``overflow_safe``: as a weighted sum, which stays finite for finite payloads (the
+        running mean takes differences, which overflow near the float32 limit)."""
         if not used:
             return None
         if len(used) == 1:
             return _tensor(used[0].grads)
+        if overflow_safe:
+            total = sum(c.count for c in used)
+            out = self._average_buffer
+            torch.mul(_tensor(used[0].grads), used[0].count / total, out=out)
+            for c in used[1:]:
+                out.add_(_tensor(c.grads), alpha=c.count / total)
+            return out
         # A running weighted mean, one pass per further payload: after each step ``out``
         # is the mean of the payloads so far (lerp: out + w * (g - out)).
         out = self._average_buffer
@@ -431,6 +449,7 @@ class ParameterHolder:
         return {"version": self.version, "updates": self.updates, "epoch": self.epoch,
                 "refused": self.refused, "clocks": list(self._clocks),
                 "members": {w: m.state for w, m in self._members.items()},
+                "waiting_for": sorted(self._mode.waiting_for()),
                 "records": records, "events": events}
 
     async def state_dict(self) -> dict[str, Any]:
