@@ -4,50 +4,58 @@ and leave the connection usable, and a fallback to the actor when the port is un
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import time
 
 import numpy as np
 import pytest
-import torch
 
 import dasktrain as dt
-from dasktrain.trainer.channel import ChannelClient
+from dasktrain.trainer.channel import ChannelClient, PendingPush
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.handle import HolderHandle
-from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder import ParameterHolder
+from tests.common.training import zeros, zeros_holder
 
 FEATURES = 1000
+LAYOUT = FlatLayout.of(zeros(FEATURES))
 
 
-def _zeros(features: int) -> torch.nn.Module:
-    model = torch.nn.Linear(features, 1, bias=False)
-    torch.nn.init.zeros_(model.weight)
-    return model
+@contextlib.contextmanager
+def _holder_actor(client, mode: str):
+    """A holder actor of two workers on a worker process (plain SGD, lr 1, from zero)."""
+    future = client.submit(ParameterHolder, zeros_holder(FEATURES, workers=2, mode=mode),
+                           actor=True, pure=False)
+    actor = future.result(timeout=60)
+    try:
+        yield actor
+    finally:
+        actor.close().result(timeout=30)  # closing twice is harmless
+        future.release()
 
 
 @pytest.fixture
 def holder(client):
-    """A holder actor on a worker process (plain SGD, lr 1, starting at zero)."""
-    config = HolderConfig(model=functools.partial(_zeros, FEATURES),
-                          optimizer=dt.optim.sgd(1.0), workers=2, mode="async")
-    future = client.submit(ParameterHolder, config, actor=True, pure=False)
-    actor = future.result(timeout=60)
-    yield actor
-    actor.close().result(timeout=30)
-    future.release()
+    with _holder_actor(client, "async") as actor:
+        yield actor
 
 
-LAYOUT = FlatLayout.of(_zeros(FEATURES))
-
-
-def _connect(client, holder, worker: int = 0, token: bytes | None = None) -> ChannelClient:
+def _connect(client, holder, worker: int = 0, token: bytes | None = None,
+             claim: int | None = None) -> ChannelClient:
+    """Join as ``worker`` and connect, presenting ``token`` and worker ``claim`` when given."""
     info = holder.join(worker, None, LAYOUT).result(timeout=30)
     contact = dict(info["channel"])
     if token is not None:
         contact["token"] = token
     handle = HolderHandle(holder, 30, client)
-    return ChannelClient(contact, worker, LAYOUT.size, 30, handle.holder_alive)
+    return ChannelClient(contact, worker if claim is None else claim, LAYOUT.size, 30,
+                         handle.holder_alive)
+
+
+def _push(channel: ChannelClient, version: int, value: float = 1.0) -> PendingPush:
+    """Push a gradient of ``value`` everywhere, computed at ``version`` (batch of one)."""
+    return channel.push(version, np.full(FEATURES, value, np.float32), 1, 0.0,
+                        (0, version + 1))
 
 
 def test_pushes_over_the_channel_update_the_holder_like_the_actor(client, holder):
@@ -77,9 +85,7 @@ def test_a_wrong_token_is_refused_and_the_holder_goes_on(client, holder):
         _connect(client, holder, token=bytes(16))
     channel = _connect(client, holder)
     try:
-        _, version = channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0,
-                                  (0, 1)).result(timeout=30)
-        assert version == 1
+        assert _push(channel, 0).result(timeout=30)[1] == 1
     finally:
         channel.close()
 
@@ -93,20 +99,16 @@ def test_refused_pushes_name_the_problem_and_the_channel_goes_on(client, holder)
             channel.push(0, wrong, 1, 0.0, (0, 1)).result(timeout=30)
         with pytest.raises(ValueError, match="1-D float32 array, got float64"):
             channel.push(0, np.ones(FEATURES), 1, 0.0, (0, 1))
-        _, version = channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0,
-                                  (0, 1)).result(timeout=30)
-        assert version == 1
+        assert _push(channel, 0).result(timeout=30)[1] == 1
     finally:
         channel.close()
 
 
 def test_a_push_from_an_unknown_worker_is_refused(client, holder):
-    info = holder.join(0, None, LAYOUT).result(timeout=30)
-    handle = HolderHandle(holder, 30, client)
-    channel = ChannelClient(info["channel"], 7, LAYOUT.size, 30, handle.holder_alive)
+    channel = _connect(client, holder, claim=7)
     try:
         with pytest.raises(ValueError, match="unknown worker 7"):
-            channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0, (0, 1)).result(timeout=30)
+            _push(channel, 0).result(timeout=30)
     finally:
         channel.close()
 
@@ -115,22 +117,13 @@ def test_a_reconnecting_worker_replaces_its_old_connection(client, holder):
     old = _connect(client, holder)
     new = _connect(client, holder)  # as a restarted worker does
     try:
-        ones = np.ones(FEATURES, np.float32)
         with pytest.raises(dt.TrainerError, match="whose worker is still alive") as error:
-            old.push(0, ones, 1, 0.0, (0, 1)).result(timeout=30)
+            _push(old, 0).result(timeout=30)
         assert not isinstance(error.value, dt.HolderLost)
-        _, version = new.push(0, ones, 1, 0.0, (0, 1)).result(timeout=30)
-        assert version == 1
+        assert _push(new, 0).result(timeout=30)[1] == 1
     finally:
         old.close()
         new.close()
-
-
-def _sync_holder(client):
-    config = HolderConfig(model=functools.partial(_zeros, FEATURES),
-                          optimizer=dt.optim.sgd(1.0), workers=2, mode="sync")
-    future = client.submit(ParameterHolder, config, actor=True, pure=False)
-    return future, future.result(timeout=60)
 
 
 def _until_waiting_for(holder, workers: list[int]) -> None:
@@ -141,48 +134,36 @@ def _until_waiting_for(holder, workers: list[int]) -> None:
 
 
 def test_a_worker_reconnecting_while_its_push_waits_on_the_barrier(client):
-    future, holder = _sync_holder(client)
-    try:
+    with _holder_actor(client, "sync") as holder:
         first = _connect(client, holder, worker=0)
-        waiting = first.push(0, np.full(FEATURES, 2.0, np.float32), 1, 0.0, (0, 1))
+        waiting = _push(first, 0, 2.0)
         _until_waiting_for(holder, [1])
         again = _connect(client, holder, worker=0)  # worker 0 restarted meanwhile
         other = _connect(client, holder, worker=1)
         # Worker 0's gradient stays in the round; worker 1's completes it, and the barrier
         # the dropped connection waited on still answers everyone else.
-        params, version = other.push(0, np.full(FEATURES, 4.0, np.float32), 1, 0.0,
-                                     (0, 1)).result(timeout=30)
+        params, version = _push(other, 0, 4.0).result(timeout=30)
         assert version == 1 and np.array_equal(params, np.full(FEATURES, -3.0))
         with pytest.raises(dt.TrainerError, match="whose worker is still alive"):
             waiting.result(timeout=30)
         # The restarted worker takes part in the next round over its new connection.
-        pending = again.push(1, np.full(FEATURES, 2.0, np.float32), 1, 0.0, (0, 2))
-        params, version = other.push(1, np.full(FEATURES, 2.0, np.float32), 1, 0.0,
-                                     (0, 2)).result(timeout=30)
+        pending = _push(again, 1, 2.0)
+        params, version = _push(other, 1, 2.0).result(timeout=30)
         assert version == 2 and np.array_equal(params, np.full(FEATURES, -5.0))
         assert pending.result(timeout=30)[1] == 2
         for channel in (first, again, other):
             channel.close()
-    finally:
-        holder.close().result(timeout=30)
-        future.release()
 
 
 def test_a_push_waiting_when_the_holder_closes_fails_clearly(client):
-    config = HolderConfig(model=functools.partial(_zeros, FEATURES),
-                          optimizer=dt.optim.sgd(1.0), workers=2, mode="sync")
-    future = client.submit(ParameterHolder, config, actor=True, pure=False)
-    holder = future.result(timeout=60)
-    try:
+    with _holder_actor(client, "sync") as holder:
         channel = _connect(client, holder)
         # Worker 1 never pushes: the sync step waits for it until the holder closes.
-        pending = channel.push(0, np.ones(FEATURES, np.float32), 1, 0.0, (0, 1))
+        pending = _push(channel, 0)
         holder.close().result(timeout=30)
         with pytest.raises(dt.TrainerError, match="closed"):
             pending.result(timeout=30)
         channel.close()
-    finally:
-        future.release()
 
 
 async def _stop_accepting(dask_worker, key: str) -> None:
@@ -201,5 +182,5 @@ def test_a_worker_that_cannot_reach_the_channel_pushes_through_the_actor(client,
     info = handle.join(0, None, LAYOUT)
     assert info["channel"] is not None and handle.via == "actor"
     params, version = handle.wait(handle.push(0, 0, np.ones(FEATURES, np.float32), 1, 0.0,
-                                              (0, 1)), "a push")
+                                              (0, 1)), "a push")  # through the actor
     assert version == 1 and np.array_equal(params, -np.ones(FEATURES))

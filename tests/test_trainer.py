@@ -22,6 +22,7 @@ from tests.common.training import (
     nan_on,
     one_process,
     random_init,
+    zeros_holder,
 )
 
 
@@ -275,20 +276,12 @@ def test_flat_model_receives_straight_into_its_own_parameters_and_buffers():
     assert odd.model.scale.tolist() == [3.0, 3.0]
 
 
-def _zeros(features: int) -> torch.nn.Module:
-    model = torch.nn.Linear(features, 1, bias=False)
-    torch.nn.init.zeros_(model.weight)
-    return model
-
-
 @pytest.mark.parametrize("features", [1000, (1 << 20) + 8])  # inline and threaded updates
 def test_state_dict_is_never_taken_half_way_through_an_update(features):
     """Plain SGD with lr 1 on gradients of ones: every parameter is exactly -version, in
     every state_dict and every progress report taken while updates run."""
     async def scenario():
-        config = HolderConfig(model=functools.partial(_zeros, features),
-                              optimizer=dt.optim.sgd(1.0), workers=1, mode="async")
-        holder = ParameterHolder(config)
+        holder = ParameterHolder(zeros_holder(features))
         ones = np.ones(features, dtype=np.float32)
         await holder.join(0, None, holder.layout)
         pushed = 0
@@ -321,9 +314,7 @@ def test_state_dict_is_never_taken_half_way_through_an_update(features):
 
 def test_state_at_is_taken_at_exactly_that_version():
     async def scenario():
-        config = HolderConfig(model=functools.partial(_zeros, 10),
-                              optimizer=dt.optim.sgd(1.0), workers=1, mode="async")
-        holder = ParameterHolder(config)
+        holder = ParameterHolder(zeros_holder(10))
         ones = np.ones(10, dtype=np.float32)
         await holder.join(0, None, holder.layout)
         at_five = asyncio.ensure_future(holder.state_at(5))
@@ -348,9 +339,7 @@ def test_an_average_near_the_float32_limit_is_taken_as_a_weighted_sum():
     """The running mean takes differences (3e38 - -3e38 overflows); finite payloads whose
     weighted sum is finite must still be applied, not refused or turned into inf."""
     async def scenario(values):
-        config = HolderConfig(model=functools.partial(_zeros, 4),
-                              optimizer=dt.optim.sgd(1.0), workers=2, mode="sync")
-        holder = ParameterHolder(config)
+        holder = ParameterHolder(zeros_holder(4, workers=2, mode="sync"))
         for w in range(2):
             await holder.join(w, None, holder.layout)
         pushes = [holder.push(w, 0, np.full(4, v, dtype=np.float32), 1, 0.0, (0, 1))

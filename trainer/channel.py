@@ -83,6 +83,7 @@ class ChannelServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._sockets: set[socket.socket] = set()
         self._by_worker: dict[int, socket.socket] = {}
         self.address: tuple[str, int] | None = None
 
@@ -125,6 +126,7 @@ class ChannelServer:
                 continue
             sock.setblocking(False)
             _tune(sock)
+            self._sockets.add(sock)
             self._spawn(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
@@ -140,12 +142,9 @@ class ChannelServer:
                 return
             # A worker that connects again was restarted: its old connection may never see
             # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
-            # Shut its socket rather than cancel its task, which may be waiting on a barrier
-            # future shared with the other workers' pushes.
             older = self._by_worker.get(worker)
             if older is not None and older is not sock:
-                with contextlib.suppress(OSError):
-                    older.shutdown(socket.SHUT_RDWR)
+                _shut(older)
             self._by_worker[worker] = sock
             await loop.sock_sendall(sock, _ACCEPTED)
             payload = np.empty(self._size, dtype=np.float32)
@@ -166,10 +165,8 @@ class ChannelServer:
                     await _recv_into(loop, sock, view)
                     grads = payload
                 try:
-                    # Shielded: cancelling this connection (the holder closing) must not
-                    # cancel a barrier the other workers' pushes wait on too.
-                    params, new_version = await asyncio.shield(
-                        self._push(worker, version, grads, count, loss, (epoch, batches)))
+                    params, new_version = await self._push(worker, version, grads, count,
+                                                           loss, (epoch, batches))
                 except ValueError as exc:
                     await _send_error(loop, sock, _VALUE_ERROR, str(exc))
                     continue
@@ -188,6 +185,7 @@ class ChannelServer:
         finally:
             if worker is not None and self._by_worker.get(worker) is sock:
                 del self._by_worker[worker]
+            self._sockets.discard(sock)
             sock.close()
 
     async def stop_accepting(self) -> None:
@@ -204,10 +202,19 @@ class ChannelServer:
         """Stop listening and drop every connection."""
         await self.stop_accepting()
         self.address = None
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Connections are ended by shutting their sockets, never by cancelling their tasks:
+        # a task may be waiting on a barrier future shared with the other workers' pushes,
+        # which a cancellation would cancel for all of them.
+        for sock in list(self._sockets):
+            _shut(sock)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=_CONNECT_TIMEOUT)
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a served connection: its task's next read or write fails and it closes."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
@@ -264,6 +271,7 @@ class ChannelClient:
         self._host = f"{contact['host']}:{contact['port']}"
         self._sock = socket.create_connection((contact["host"], contact["port"]),
                                               timeout=_CONNECT_TIMEOUT)
+        self._timeout: float | None = _CONNECT_TIMEOUT  # the socket's, as last set
         try:
             _tune(self._sock)
             self._sock.sendall(_HELLO.pack(contact["token"], worker))
@@ -324,7 +332,7 @@ class ChannelClient:
         view = memoryview(data)
         sent = 0
         while sent < view.nbytes:
-            self._sock.settimeout(self._slice(wait))
+            self._set_timeout(wait)
             try:
                 sent += self._sock.send(view[sent:])
             except TimeoutError:
@@ -335,7 +343,7 @@ class ChannelClient:
     def _recv_into(self, view: memoryview, wait: _Wait) -> None:
         got = 0
         while got < view.nbytes:
-            self._sock.settimeout(self._slice(wait))
+            self._set_timeout(wait)
             try:
                 n = self._sock.recv_into(view[got:])
             except TimeoutError:
@@ -347,14 +355,18 @@ class ChannelClient:
                 raise self._lost(ConnectionError("connection closed by the holder"))
             got += n
 
-    def _slice(self, wait: _Wait) -> float:
-        """Seconds to block next; fails once the deadline has passed."""
+    def _set_timeout(self, wait: _Wait) -> None:
+        """Block at most a slice, or what is left of the deadline; fails once it passed.
+        (Set only when it changes: every transfer of a push loops through here.)"""
         left = wait.deadline - time.monotonic()
         if left <= 0:
             self.close()
             raise TrainerError(f"no answer from the parameter holder ({self._host}) for "
                                f"{wait.what} after {wait.seconds:.0f}s")
-        return min(_SLICE, left)
+        seconds = min(_SLICE, left)
+        if seconds != self._timeout:
+            self._sock.settimeout(seconds)
+            self._timeout = seconds
 
     def _check_alive(self, what: str) -> None:
         if not self._alive():

@@ -147,14 +147,15 @@ class FlatModel:
         """Take parameters then buffers from a payload-shaped array."""
         if values.shape != (self.layout.size,):
             raise ValueError(f"expected {self.layout.size} values, got {values.shape}")
-        if not (self.device.type == "cpu" and values is self._received):
+        in_place = self.device.type == "cpu" and values is self._received
+        if not in_place:
             with warnings.catch_warnings():
                 # Received buffers may be read-only; they are only read here.
                 warnings.simplefilter("ignore", UserWarning)
                 source = torch.from_numpy(np.ascontiguousarray(values))
-            with torch.no_grad():
-                self._state.copy_(source, non_blocking=True)
         with torch.no_grad():
+            if not in_place:
+                self._state.copy_(source, non_blocking=True)
             for offset, b in self._copied:
                 b.copy_(self._state[offset:offset + b.numel()].view_as(b))
 

@@ -56,14 +56,9 @@ class HolderHandle:
         return self._local is not None
 
     @property
-    def direct(self) -> bool:
-        """Whether pushes go over the direct channel."""
-        return self._channel is not None
-
-    @property
     def via(self) -> str:
-        """How pushes reach the holder: ``"local"``, ``"direct"`` or ``"actor"``."""
-        return "local" if self.local else "direct" if self.direct else "actor"
+        """How pushes reach the holder: ``"local"``, ``"direct"`` (channel) or ``"actor"``."""
+        return "local" if self.local else "direct" if self._channel is not None else "actor"
 
     def join(self, worker: int, address: str | None, layout: FlatLayout,
              into: np.ndarray | None = None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import signal
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 import dasktrain as dt
+from dasktrain.trainer.holder import HolderConfig
 
 
 def mlp(width: int = 4, hidden: int = 8, out: int = 1, seed: int = 0) -> torch.nn.Module:
@@ -30,6 +32,20 @@ def mlp_from(values: torch.Tensor) -> torch.nn.Module:
     model = mlp()
     torch.nn.utils.vector_to_parameters(values, model.parameters())
     return model
+
+
+def zeros(features: int) -> torch.nn.Module:
+    """A linear model of ``features`` weights, all zero, no bias."""
+    model = torch.nn.Linear(features, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    return model
+
+
+def zeros_holder(features: int, workers: int = 1, mode: str = "async") -> HolderConfig:
+    """A holder of :func:`zeros` running plain SGD at lr 1: after gradients g1..gk its
+    parameters are exactly -(g1 + ... + gk)."""
+    return HolderConfig(model=functools.partial(zeros, features), optimizer=dt.optim.sgd(1.0),
+                        workers=workers, mode=mode)
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
