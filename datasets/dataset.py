@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import dask.array as da
 import zarr
+from dask.base import tokenize
 
 from dasktrain.datasets.errors import DatasetError
 from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION
@@ -32,6 +34,7 @@ class Dataset:
         start: int = 0,
         stop: int | None = None,
         split_name: str | None = None,
+        identity: str | None = None,
     ) -> None:
         self.url = url
         self.group = group
@@ -39,6 +42,8 @@ class Dataset:
         self.start = start
         self.stop = self.attrs["num_samples"] if stop is None else stop
         self.split_name = split_name
+        # Taken once, here: a copy pickled to a worker keeps it rather than looking again.
+        self._identity = identity or _identity_of(url, self.attrs)
 
     # -- shape of the data -------------------------------------------------------------
     def __len__(self) -> int:
@@ -72,6 +77,18 @@ class Dataset:
         return self._name_with_role("targets")
 
     @property
+    def identity(self) -> str:
+        """A token naming this build of the dataset and no other.
+
+        Dask keys of tasks that read the dataset include it: a dataset rewritten at the same
+        URL gets new keys, so a client still holding results of the old build never hands
+        them over as the new one's. It is the random ``dataset_id`` that
+        :func:`~dasktrain.prepare` records; for datasets written before it did, a token of the
+        URL, the build time and (local datasets) the modification time of the metadata.
+        """
+        return self._identity
+
+    @property
     def splits(self) -> dict[str, tuple[int, int]]:
         """Named splits as ``{name: (start, stop)}`` sample ranges of the whole dataset."""
         return {k: (int(a), int(b)) for k, (a, b) in (self.attrs.get("splits") or {}).items()}
@@ -85,7 +102,11 @@ class Dataset:
 
     def __getitem__(self, name: str) -> da.Array:
         z = self.zarr_array(name)
-        return da.from_zarr(z, chunks=(self.chunk_rows, *z.shape[1:]))[self.start : self.stop]
+        chunks = (self.chunk_rows, *z.shape[1:])
+        # Dask's own name for it tokenizes the zarr handle (URL and metadata), the same for
+        # every build at this URL.
+        dask_name = f"from-zarr-{tokenize(self.url, self.identity, name, chunks)}"
+        return da.from_zarr(z, chunks=chunks, name=dask_name)[self.start : self.stop]
 
     @property
     def arrays(self) -> dict[str, da.Array]:
@@ -111,7 +132,8 @@ class Dataset:
         if self.split_name is not None:
             raise ValueError(f"{self!r} is already the split {self.split_name!r}")
         start, stop = splits[name]
-        return Dataset(self.url, self.group, self.attrs, start, stop, split_name=name)
+        return Dataset(self.url, self.group, self.attrs, start, stop, split_name=name,
+                       identity=self.identity)
 
     def __repr__(self) -> str:
         what = f" split={self.split_name!r}" if self.split_name else ""
@@ -120,6 +142,20 @@ class Dataset:
             for n in self.array_names
         )
         return f"<dasktrain.Dataset {self.url}{what} samples={len(self)} [{shapes}]>"
+
+
+def _identity_of(url: str, attrs: Mapping[str, Any]) -> str:
+    """The build's ``dataset_id``, or for older datasets a token of what tells builds apart."""
+    if attrs.get("dataset_id"):
+        return str(attrs["dataset_id"])
+    created = (attrs.get("provenance") or {}).get("created")
+    local = url.removeprefix("file://")
+    modified = None
+    if "://" not in local:
+        # ``created`` has whole seconds only; the metadata's mtime splits rebuilds within one.
+        with contextlib.suppress(OSError):
+            modified = os.stat(os.path.join(local, "zarr.json")).st_mtime_ns
+    return tokenize(url, created, modified)
 
 
 def _as_url(path: PathLike) -> str:

@@ -5,6 +5,7 @@ it. Everything else lives in the group attribute ``"dasktrain"``::
 
     {
       "format_version": 1,
+      "dataset_id": "5f0c...",   # random, new for every build (absent in older datasets)
       "num_samples": 1797,
       "chunk_rows": 4096,
       "arrays": {"x": {"role": "features", "dtype": "float32", "shape": [1797, 64]},

@@ -21,6 +21,7 @@ import datetime
 import importlib.metadata
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,9 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_p
             splits = {name: [edges[k], edges[k + 1]] for k, name in enumerate(plan.names)}
     return {
         "format_version": FORMAT_VERSION,
+        # New for every build, even of the same source to the same place: task keys of the
+        # dataset's readers include it (Dataset.identity), so they never name an older build.
+        "dataset_id": uuid.uuid4().hex,
         "num_samples": num_samples,
         "chunk_rows": chunk_rows,
         "arrays": {n: {"role": specs[n].role, "dtype": str(specs[n].dtype),

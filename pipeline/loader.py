@@ -204,9 +204,12 @@ class Pipeline:
         self._targets_name = self.dataset.targets_name
         names = tuple(self.dataset.array_names)
         self._ref = ArraysRef(names, tuple(self.dataset.zarr_array(n) for n in names))
-        self._token = tokenize(self.dataset.url, self.dataset.start, self.dataset.stop, names,
-                               self.block_rows, self.batch_size, seed, shuffle, shuffle_blocks,
-                               drop_last, transform)
+        # Names this pipeline's tasks. Every rank must arrive at the same token (ranks share
+        # window tasks), and no other data may: the dataset's identity tells a dataset
+        # rewritten at the same URL from the build a client may still hold results of.
+        self._token = tokenize(self.dataset.url, self.dataset.identity, self.dataset.start,
+                               self.dataset.stop, names, self.block_rows, self.batch_size, seed,
+                               shuffle, shuffle_blocks, drop_last, transform)
 
     # -- the plan ----------------------------------------------------------------------
     @property

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import dask.array as da
 import numpy as np
+from dask.base import tokenize
 
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.base import (
@@ -39,6 +41,9 @@ class _MappedArray:
     dtype: np.dtype
     shape: tuple[int, ...]
     fortran_order: bool
+    identity: str
+    """Token of the file version the bytes come from (for an inflated ``.npz`` member: the
+    archive's, and the member's name), taken once on the client when the file is opened."""
 
     @property
     def ndim(self) -> int:
@@ -59,19 +64,36 @@ def _read_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
     return np.lib.format.read_array_header_2_0(fh)
 
 
+def _file_version(path: Path, fh: BinaryIO) -> tuple[str, int, int, int]:
+    """Which file, and which version of it: resolved path, size, mtime (ns) and inode.
+
+    Stat of the open handle, so the version is that of the bytes being read even if the
+    path is swapped meanwhile. A file rewritten in place keeps its path, often its size and
+    inode; its mtime moves.
+    """
+    st = os.fstat(fh.fileno())
+    return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def _map_npy(path: Path) -> _MappedArray:
     try:
         with path.open("rb") as fh:
+            identity = tokenize(_file_version(path, fh))
             shape, fortran, dtype = _read_header(fh)
             offset = fh.tell()
     except ValueError as exc:
         raise SourceError(f"{path} is not a valid .npy file: {exc}") from exc
-    return _MappedArray(str(path), offset, dtype, tuple(shape), fortran)
+    return _MappedArray(str(path), offset, dtype, tuple(shape), fortran, identity)
 
 
 def _map_npz_member(path: Path, member: str, scratch: Path) -> _MappedArray:
-    """Map one member of an ``.npz``; a compressed member is first inflated into ``scratch``."""
-    with zipfile.ZipFile(path) as archive:
+    """Map one member of an ``.npz``; a compressed member is first inflated into ``scratch``.
+
+    Either way the identity is the archive's version and the member's name: the scratch
+    file's name is the member's, the same for every archive that holds one so named.
+    """
+    with path.open("rb") as raw_archive, zipfile.ZipFile(raw_archive) as archive:
+        identity = tokenize(_file_version(path, raw_archive), member)
         info = archive.getinfo(member)
         with archive.open(info) as fh:
             shape, fortran, dtype = _read_header(fh)
@@ -84,13 +106,13 @@ def _map_npz_member(path: Path, member: str, scratch: Path) -> _MappedArray:
                     name_len = int.from_bytes(local[26:28], "little")
                     extra_len = int.from_bytes(local[28:30], "little")
                 offset = info.header_offset + 30 + name_len + extra_len + header_len
-                return _MappedArray(str(path), offset, dtype, tuple(shape), fortran)
+                return _MappedArray(str(path), offset, dtype, tuple(shape), fortran, identity)
             scratch.mkdir(parents=True, exist_ok=True)
             target = scratch / f"{member.replace('/', '_')}.raw"
             with target.open("wb") as out:
                 while block := fh.read(16 * 2**20):
                     out.write(block)
-    return _MappedArray(str(target), 0, dtype, tuple(shape), fortran)
+    return _MappedArray(str(target), 0, dtype, tuple(shape), fortran, identity)
 
 
 def _pick(keys: list[str], wanted: str | None, defaults: tuple[str, ...], what: str,
@@ -167,10 +189,15 @@ class NumpySource:
         self.provenance = {"kind": "numpy", "path": str(path.resolve()), **provenance}
 
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
+        # Keys name exactly what a task reads (file version, place, layout, rows), never only
+        # the file's name: a client holding results under an equal key hands them over as
+        # ours, silently. The path read is in too, so a key never outlives its scratch file.
         return {
             name: da.from_array(
                 m, chunks=(chunk_rows, *m.shape[1:]), asarray=False, fancy=False,
-                name=f"read-{Path(m.path).name}-{m.offset}-{chunk_rows}",
+                name=f"read-{Path(m.path).name}-" + tokenize(
+                    m.identity, m.path, m.offset, m.dtype, m.shape, m.fortran_order,
+                    chunk_rows),
             ).astype(self.specs[name].dtype)
             for name, m in self._mapped.items()
         }

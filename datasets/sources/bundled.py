@@ -31,6 +31,7 @@ class DigitsSource:
                            "origin": "sklearn.datasets.load_digits (UCI ML hand-written digits)"}
 
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
+        # Unnamed, dask keys these on a hash of the arrays' contents.
         return {"x": da.from_array(self._x, chunks=(chunk_rows, self._x.shape[1])),
                 "y": da.from_array(self._y, chunks=(chunk_rows,))}
 

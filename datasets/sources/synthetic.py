@@ -110,6 +110,7 @@ class SyntheticSource:
                 _chunk, self.recipe, which, dtype=spec.dtype,
                 chunks=(chunks, *[(d,) for d in spec.sample_shape]),
                 meta=np.empty((0, *spec.sample_shape), spec.dtype),
+                # Safe as a key: every value is a pure function of the recipe, named in full.
                 name=f"synthetic-{name}-{self.recipe}-{chunk_rows}".replace(" ", ""),
             )
         return out

@@ -28,6 +28,9 @@ def _read(path: Path, suffix: str) -> dd.DataFrame:
         else [path]
     if not files:
         raise SourceError(f"{path} holds no {suffix} files")
+    # No explicit names: dask keys both readers on each file's version, so a file of the same
+    # name elsewhere or rewritten in place never shares keys (read_csv's blocks through
+    # fs.ukey, read_parquet through fs.checksum: fsspec's info, with size, mtime and inode).
     try:
         if suffix == ".csv":
             if not any(_csv_has_rows(f) for f in files):
