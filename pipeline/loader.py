@@ -292,7 +292,14 @@ class Pipeline:
             except ValueError:
                 raise PipelineError("placement='local' needs the consumer to run on a Dask "
                                     "worker (e.g. inside a trainer task)") from None
-        return {}
+        # Any worker, but named: the scheduler never holds restricted tasks in its queue of
+        # root-ish tasks. Unrestricted, a burst of blocks is partly queued there and partly
+        # sent to workers at once (Dask decides per task, by the size and dependencies of its
+        # group), and the ones sent ahead run before earlier blocks still queued, so the
+        # next batch waits. Sent at once, each worker runs its blocks in priority order; the
+        # pipeline bounds what is in flight itself (``prefetch``).
+        workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        return {"workers": workers, "allow_other_workers": True} if workers else {}
 
     def _submit(self, context: EpochContext, epoch: int, stride: int, unit: Unit,
                 windows: dict[int, Future], kwargs: dict[str, Any]) -> Future:
@@ -309,9 +316,10 @@ class Pipeline:
         # reads it, one per unit cuts the batches.
         for w in unit.windows:
             if w not in windows:
+                # In the units' task group: one group for all of a pipeline's reads.
                 windows[w] = client.submit(
                     load_window, context, w,
-                    key=f"dasktrain-window-{self._token}-{epoch}-{w}", **kwargs)
+                    key=f"dasktrain-batches-{self._token}-{epoch}-window-{w}", **kwargs)
         return client.submit(assemble_batches, unit.pieces, unit.windows,
                              *[windows[w] for w in unit.windows], key=key, **kwargs)
 
