@@ -1,17 +1,28 @@
 """The direct channel between trainer workers and the holder, against a real holder actor in
 another process: the same arithmetic as the actor's calls, refusals that name the problem
-and leave the connection usable, and a fallback to the actor when the port is unreachable."""
+and leave the connection usable, and a fallback to the actor when the port is unreachable;
+then the channel's defences (a flood of connections, a worker's token used as another's, a
+connection gone silent), some against a :class:`ChannelServer` on an event loop of the test's
+own."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import os
+import select
+import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import dasktrain as dt
-from dasktrain.trainer.channel import ChannelClient, PendingPush
+from dasktrain.trainer import channel as channel_module
+from dasktrain.trainer.channel import _HELLO, _PUSH, ChannelClient, ChannelServer, PendingPush
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import ParameterHolder
@@ -40,11 +51,15 @@ def holder(client):
         yield actor
 
 
+def _contact(holder, worker: int = 0) -> dict:
+    """Join as ``worker``: where its channel is, and its token."""
+    return dict(holder.join(worker, None, LAYOUT).result(timeout=30)["channel"])
+
+
 def _connect(client, holder, worker: int = 0, token: bytes | None = None,
              claim: int | None = None) -> ChannelClient:
     """Join as ``worker`` and connect, presenting ``token`` and worker ``claim`` when given."""
-    info = holder.join(worker, None, LAYOUT).result(timeout=30)
-    contact = dict(info["channel"])
+    contact = _contact(holder, worker)
     if token is not None:
         contact["token"] = token
     handle = HolderHandle(holder, 30, client)
@@ -104,8 +119,17 @@ def test_refused_pushes_name_the_problem_and_the_channel_goes_on(client, holder)
         channel.close()
 
 
+def _token_for(dask_worker, key: str, worker: int) -> bytes:
+    return dask_worker.state.actors[key]._channel.contact(worker)["token"]
+
+
 def test_a_push_from_an_unknown_worker_is_refused(client, holder):
-    channel = _connect(client, holder, claim=7)
+    # Worker 7 cannot join, so it never gets a token: this one comes from the holder itself,
+    # to check that the push side refuses it too.
+    address = holder._address
+    _contact(holder)  # opens the channel
+    token = client.run(_token_for, key=holder.key, worker=7, workers=[address])[address]
+    channel = _connect(client, holder, token=token, claim=7)
     try:
         with pytest.raises(ValueError, match="unknown worker 7"):
             _push(channel, 0).result(timeout=30)
@@ -184,3 +208,166 @@ def test_a_worker_that_cannot_reach_the_channel_pushes_through_the_actor(client,
     params, version = handle.wait(handle.push(0, 0, np.ones(FEATURES, np.float32), 1, 0.0,
                                               (0, 1)), "a push")  # through the actor
     assert version == 1 and np.array_equal(params, -np.ones(FEATURES))
+
+
+def test_a_worker_token_cannot_connect_as_another_worker(client, holder):
+    other = _connect(client, holder, worker=1)
+    try:
+        # Worker 0's token presented as worker 1's: refused, and worker 1's live
+        # connection (which a connection as worker 1 would replace) is left alone.
+        with pytest.raises(dt.TrainerError, match="closed by the holder"):
+            _connect(client, holder, worker=0, claim=1)
+        params, version = _push(other, 0).result(timeout=30)
+        assert version == 1 and np.array_equal(params, -np.ones(FEATURES))
+    finally:
+        other.close()
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _until_closed(sockets: list[socket.socket], seconds: float) -> list[socket.socket]:
+    """Wait up to ``seconds`` for the peer to end each of ``sockets``; those still open."""
+    deadline = time.monotonic() + seconds
+    left = list(sockets)
+    while left and time.monotonic() < deadline:
+        readable, _, _ = select.select(left, [], [], max(deadline - time.monotonic(), 0))
+        for sock in readable:
+            with contextlib.suppress(ConnectionResetError):  # an end all the same
+                assert sock.recv(1) == b"", "the holder sent something to a silent connection"
+            left.remove(sock)
+    return left
+
+
+FLOOD = 200
+
+
+def test_a_connection_flood_is_refused_without_affecting_training(client, holder):
+    address = holder._address
+    contact = _contact(holder)
+    channel = _connect(client, holder)
+    baseline = client.run(_open_descriptors, workers=[address])[address]
+    flood: list[socket.socket] = []
+    try:
+        # Connections that never present themselves, far more than the holder takes at once.
+        flood = [socket.create_connection((contact["host"], contact["port"]), timeout=10)
+                 for _ in range(FLOOD)]
+        opened = time.monotonic()
+        for step in range(1, 4):  # training goes on meanwhile
+            params, version = _push(channel, step - 1).result(timeout=30)
+            assert version == step and np.array_equal(params, np.full(FEATURES, -step))
+        held = client.run(_open_descriptors, workers=[address])[address]
+        # At most the cap of connections waiting for their hello (32), and some slack.
+        assert held - baseline <= 48, f"{held - baseline} more descriptors during the flood"
+        # Those over the cap are closed at once, the others at the hello deadline: all well
+        # before the 10s a silent connection used to be kept.
+        left = _until_closed(flood, opened + 6 - time.monotonic())
+        assert not left, f"{len(left)} of {FLOOD} silent connections still open after 6s"
+    finally:
+        for sock in flood:
+            sock.close()
+    # Once the flood is over a worker connects as usual.
+    other = _connect(client, holder, worker=1)
+    try:
+        assert _push(other, 3).result(timeout=30)[1] == 4
+        assert _push(channel, 4).result(timeout=30)[1] == 5
+    finally:
+        other.close()
+        channel.close()
+
+
+SIZE = 4  # values of the models served by the in-process servers below
+
+
+async def _echo(worker: int, version: int, grads: np.ndarray | None, count: int, loss: float,
+                position: tuple[int, int]) -> tuple[np.ndarray, int]:
+    """A holder's push that answers with the gradient itself (zeros without one)."""
+    return (np.zeros(SIZE, np.float32) if grads is None else grads.copy()), version + 1
+
+
+@contextlib.contextmanager
+def _server(idle_timeout: float = 600.0) -> Iterator[ChannelServer]:
+    """A :class:`ChannelServer` of :data:`SIZE` values on its own thread's event loop."""
+    server = ChannelServer(_echo, SIZE, idle_timeout=idle_timeout)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(server.start("127.0.0.1"), loop).result(10)
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _hello(server: ChannelServer, worker: int = 0) -> socket.socket:
+    """A raw connection that presented ``worker``'s token and was accepted."""
+    contact = server.contact(worker)
+    sock = socket.create_connection((contact["host"], contact["port"]), timeout=10)
+    sock.sendall(_HELLO.pack(contact["token"], worker))
+    assert sock.recv(1) == b"\x01"
+    return sock
+
+
+IDLE = 0.5
+
+
+@pytest.mark.parametrize("sent", ["nothing", "half a header", "half a payload"])
+def test_a_connection_gone_silent_is_closed_after_the_idle_deadline(sent):
+    with _server(idle_timeout=IDLE) as server:
+        sock = _hello(server)
+        try:
+            header = _PUSH.pack(0, 1, 0.0, 0, 1, SIZE * 4)
+            data = {"nothing": b"", "half a header": header[: _PUSH.size // 2],
+                    "half a payload": header + bytes(SIZE * 2)}[sent]
+            sock.sendall(data)
+            started = time.monotonic()
+            assert not _until_closed([sock], 10 * IDLE), f"still open after {10 * IDLE}s"
+            assert time.monotonic() - started >= IDLE * 0.8, "closed before the deadline"
+        finally:
+            sock.close()
+
+
+def test_a_client_silent_past_the_idle_deadline_reconnects_for_its_next_push():
+    with _server(idle_timeout=IDLE) as server:
+        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True)
+        try:
+            ones = np.ones(SIZE, np.float32)
+            assert channel.push(0, ones, 1, 0.0, (0, 1)).result()[1] == 1
+            deadline = time.monotonic() + 10 * IDLE
+            while server._by_worker:  # until the holder ended the silent connection
+                assert time.monotonic() < deadline, "the silent connection was never ended"
+                time.sleep(IDLE / 10)
+            params, version = channel.push(1, ones * 2, 1, 0.0, (0, 2)).result()
+            assert version == 2 and np.array_equal(params, ones * 2)
+        finally:
+            channel.close()
+
+
+def test_a_flood_is_refused_at_the_cap_and_logged_once(caplog):
+    cap = channel_module._MAX_UNAUTHENTICATED
+    flood: list[socket.socket] = []
+    with _server() as server, caplog.at_level(logging.WARNING, channel_module.__name__):
+        host, port = server.address
+        try:
+            flood = [socket.create_connection((host, port), timeout=10)
+                     for _ in range(cap + 20)]
+            # The 20 over the cap are closed at once, long before the hello deadline.
+            left = _until_closed(flood, channel_module._HELLO_TIMEOUT / 2)
+            assert len(left) == cap
+            # A worker that presents itself is still taken once the waiting ones are gone.
+            for sock in left:
+                sock.close()
+            deadline = time.monotonic() + 10
+            while server._unauthenticated:
+                assert time.monotonic() < deadline, "closed connections still counted"
+                time.sleep(0.01)
+            _hello(server).close()
+        finally:
+            for sock in flood:
+                sock.close()
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in refusals]

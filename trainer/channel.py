@@ -8,9 +8,17 @@ that is reused step after step. Everything else (joining, progress, checkpoints)
 the actor.
 
 The holder listens on its worker's own host (the interface Dask already uses) on a port
-chosen by the system; a connection is accepted only after it presents the holder's random
-token, which workers receive through the actor. Clusters whose comm is not plain TCP (TLS,
+chosen by the system; a connection is accepted only after it presents its worker's token,
+which each worker receives through the actor. Clusters whose comm is not plain TCP (TLS,
 UCX) keep every call on the actor, and so does a worker that cannot reach the port.
+
+The port is open to anyone who can reach the host, so the holder's worker process defends
+itself: it keeps at most ``_MAX_UNAUTHENTICATED`` connections waiting for their token (more
+are closed at once) and each only ``_HELLO_TIMEOUT`` seconds; a worker's token, derived from
+a secret of the holder and the worker's number, admits that worker only (so no worker can
+take over another's connection); and a connection that sends nothing for ``idle_timeout``
+seconds, between pushes or in the middle of one, is ended. A worker silent for half that
+long connects afresh before its next push.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import secrets
 import socket
 import struct
@@ -43,7 +52,14 @@ _REPLY = struct.Struct("<qqq")
 _OK, _VALUE_ERROR, _TRAINER_ERROR = 0, 1, 2
 _ACCEPTED = b"\x01"
 _DRAIN = 1 << 20  # bytes read at a time from a payload that is refused
+_SECRET_BYTES = 32
 _CONNECT_TIMEOUT = 10.0
+_HELLO_TIMEOUT = 3.0  # seconds a new connection has to present its token, in all
+# Connections still to present a token: each holds a descriptor of the holder's worker
+# process until its hello deadline, so a flood of them must not grow without bound.
+_MAX_UNAUTHENTICATED = 32
+_IDLE_TIMEOUT = 600.0  # default seconds of silence after which a worker's connection ends
+_LOG_EVERY = 60.0  # seconds between warnings of refused connections
 _SLICE = 2.0  # seconds between liveness checks while a transfer makes no progress
 _ACCEPT_RETRY = 0.5  # seconds before accepting again after a failed accept
 _LOST_GRACE = 1.0  # seconds the scheduler has to report a dead holder after a dropped connection
@@ -73,18 +89,56 @@ def channel_host(worker_address: str) -> str | None:
     return host.strip("[]")
 
 
-class ChannelServer:
-    """The holder's side: accepts workers' connections and serves their pushes."""
+class _Refusals:
+    """Warns of refused connections at most once every ``_LOG_EVERY`` seconds, counting the
+    rest: a flood of connections must not become a flood of log lines."""
 
-    def __init__(self, push: PushFunction, size: int) -> None:
+    def __init__(self) -> None:
+        self._quiet_until = -math.inf
+        self._unreported = 0
+
+    def note(self, why: str) -> None:
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._unreported += 1
+            return
+        others = (f"; {self._unreported} more refused since the last warning"
+                  if self._unreported else "")
+        logger.warning("parameter holder: refused a push connection: %s%s (further refusals "
+                       "in the next %.0fs are only counted)", why, others, _LOG_EVERY)
+        self._quiet_until = now + _LOG_EVERY
+        self._unreported = 0
+
+
+class ChannelServer:
+    """The holder's side: accepts workers' connections and serves their pushes.
+
+    Parameters
+    ----------
+    push
+        The holder's push, awaited for each push received.
+    size
+        Values (float32) of the model.
+    idle_timeout
+        Seconds a worker's connection may send nothing, between pushes or in the middle of
+        one, before it is ended (the worker connects again before its next push).
+    """
+
+    def __init__(self, push: PushFunction, size: int,
+                 idle_timeout: float = _IDLE_TIMEOUT) -> None:
+        if not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be positive, got {idle_timeout!r}")
         self._push = push
         self._size = size
-        self.token = secrets.token_bytes(_TOKEN_BYTES)
+        self.idle_timeout = idle_timeout
+        self._secret = secrets.token_bytes(_SECRET_BYTES)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._sockets: set[socket.socket] = set()
         self._by_worker: dict[int, socket.socket] = {}
+        self._unauthenticated = 0  # connections still to present their token
+        self._refusals = _Refusals()
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str) -> None:
@@ -101,11 +155,18 @@ class ChannelServer:
         self.address = (host, listener.getsockname()[1])
         self._accepting = asyncio.get_running_loop().create_task(self._accept(listener))
 
-    def contact(self) -> dict[str, Any] | None:
-        """What a worker needs to connect (sent through the actor)."""
+    def contact(self, worker: int) -> dict[str, Any] | None:
+        """What ``worker`` needs to connect (sent through the actor): its token admits it
+        as ``worker`` only."""
         if self.address is None:
             return None
-        return {"host": self.address[0], "port": self.address[1], "token": self.token}
+        return {"host": self.address[0], "port": self.address[1],
+                "token": self._token(worker), "idle_timeout": self.idle_timeout}
+
+    def _token(self, worker: int) -> bytes:
+        # Derived rather than stored: nothing kept per worker, any number checked on arrival.
+        message = int(worker).to_bytes(8, "little", signed=True)
+        return hmac.new(self._secret, message, "sha256").digest()[:_TOKEN_BYTES]
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -124,58 +185,73 @@ class ChannelServer:
                 logger.warning("parameter holder: accepting a push connection failed: %s", exc)
                 await asyncio.sleep(_ACCEPT_RETRY)
                 continue
-            sock.setblocking(False)
-            _tune(sock)
+            if self._unauthenticated >= _MAX_UNAUTHENTICATED:
+                sock.close()
+                self._refusals.note(f"{_MAX_UNAUTHENTICATED} connections are already waiting "
+                                    "to present a token")
+                continue
+            try:
+                sock.setblocking(False)
+                _tune(sock)
+            except OSError:  # reset by the peer already
+                sock.close()
+                continue
+            self._unauthenticated += 1
             self._sockets.add(sock)
             self._spawn(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        idle = self.idle_timeout
         worker = None
+        unauthenticated = True
         try:
             hello = bytearray(_HELLO.size)
-            await asyncio.wait_for(_recv_into(loop, sock, memoryview(hello)),
-                                   _CONNECT_TIMEOUT)
-            token, worker = _HELLO.unpack(hello)
-            if not hmac.compare_digest(token, self.token):
-                logger.warning("parameter holder: refused a connection with a wrong token")
+            # One deadline for the whole hello: trickling it in byte by byte buys no time.
+            async with asyncio.timeout(_HELLO_TIMEOUT):
+                await _recv_into(loop, sock, memoryview(hello))
+            token, claimed = _HELLO.unpack(hello)
+            if not hmac.compare_digest(token, self._token(claimed)):
+                self._refusals.note(f"a wrong token for worker {claimed}")
                 return
+            unauthenticated = False
+            self._unauthenticated -= 1
+            worker = claimed
             # A worker that connects again was restarted: its old connection may never see
             # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
             older = self._by_worker.get(worker)
             if older is not None and older is not sock:
                 _shut(older)
             self._by_worker[worker] = sock
-            await loop.sock_sendall(sock, _ACCEPTED)
+            await _send(loop, sock, idle, _ACCEPTED)
             payload = np.empty(self._size, dtype=np.float32)
             view = memoryview(payload).cast("B")
             header = bytearray(_PUSH.size)
             while True:
-                await _recv_into(loop, sock, memoryview(header))
+                await _recv_into(loop, sock, memoryview(header), idle)
                 version, count, loss, epoch, batches, nbytes = _PUSH.unpack(header)
                 if nbytes not in (-1, view.nbytes):
-                    await _drain(loop, sock, nbytes)
+                    await _drain(loop, sock, nbytes, idle)
                     message = (f"worker {worker} pushed {max(nbytes, 0) // 4} float32 values; "
                                f"the holder's model takes {self._size}: the worker's model "
                                "differs from the holder's")
-                    await _send_error(loop, sock, _VALUE_ERROR, message)
+                    await _send_error(loop, sock, idle, _VALUE_ERROR, message)
                     continue
                 grads = None
                 if nbytes >= 0:
-                    await _recv_into(loop, sock, view)
+                    await _recv_into(loop, sock, view, idle)
                     grads = payload
                 try:
                     params, new_version = await self._push(worker, version, grads, count,
                                                            loss, (epoch, batches))
                 except ValueError as exc:
-                    await _send_error(loop, sock, _VALUE_ERROR, str(exc))
+                    await _send_error(loop, sock, idle, _VALUE_ERROR, str(exc))
                     continue
                 except Exception as exc:
-                    await _send_error(loop, sock, _TRAINER_ERROR, str(exc))
+                    await _send_error(loop, sock, idle, _TRAINER_ERROR, str(exc))
                     continue
                 out = memoryview(params).cast("B")
-                await loop.sock_sendall(sock, _REPLY.pack(_OK, new_version, out.nbytes))
-                await loop.sock_sendall(sock, out)
+                await _send(loop, sock, idle, _REPLY.pack(_OK, new_version, out.nbytes), out)
                 # Not held while idle: the holder reuses snapshot buffers no one refers to.
                 del params, out
         except (ConnectionError, OSError, TimeoutError):
@@ -183,6 +259,8 @@ class ChannelServer:
         except Exception:
             logger.exception("parameter holder: a push connection failed")
         finally:
+            if unauthenticated:
+                self._unauthenticated -= 1
             if worker is not None and self._by_worker.get(worker) is sock:
                 del self._by_worker[worker]
             self._sockets.discard(sock)
@@ -217,29 +295,48 @@ def _shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                     view: memoryview) -> None:
+async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+                     idle: float | None = None) -> None:
+    """Fill ``view``; TimeoutError once ``idle`` seconds pass without a byte (the deadline
+    moves with each byte received: a long payload on a slow link is not cut short)."""
     got = 0
-    while got < view.nbytes:
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            raise ConnectionError("connection closed")
-        got += n
+    async with asyncio.timeout(idle) as deadline:
+        moved = loop.time()
+        while got < view.nbytes:
+            n = await loop.sock_recv_into(sock, view[got:])
+            if n == 0:
+                raise ConnectionError("connection closed")
+            got += n
+            # Moved at most a few times per deadline, not per chunk: a 100 MB payload
+            # arrives in thousands of chunks, each reschedule a new timer handle.
+            if idle is not None and loop.time() - moved > idle / 8:
+                moved = loop.time()
+                deadline.reschedule(moved + idle)
 
 
-async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int) -> None:
+async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, seconds: float,
+                *parts: bytes | memoryview) -> None:
+    """Send ``parts`` within ``seconds``: a worker that stops reading must not hold the
+    connection (and the parameters being sent) forever."""
+    async with asyncio.timeout(seconds):
+        for data in parts:
+            await loop.sock_sendall(sock, data)
+
+
+async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int,
+                 idle: float) -> None:
     scratch = memoryview(bytearray(min(max(nbytes, 0), _DRAIN)))
     left = nbytes
     while left > 0:
         chunk = scratch[: min(left, scratch.nbytes)]
-        await _recv_into(loop, sock, chunk)
+        await _recv_into(loop, sock, chunk, idle)
         left -= chunk.nbytes
 
 
-async def _send_error(loop: asyncio.AbstractEventLoop, sock: socket.socket, status: int,
-                      message: str) -> None:
+async def _send_error(loop: asyncio.AbstractEventLoop, sock: socket.socket, seconds: float,
+                      status: int, message: str) -> None:
     data = message.encode()
-    await loop.sock_sendall(sock, _REPLY.pack(status, -1, len(data)) + data)
+    await _send(loop, sock, seconds, _REPLY.pack(status, -1, len(data)) + data)
 
 
 class _Wait:
@@ -262,25 +359,22 @@ class ChannelClient:
     ``alive`` tells whether the holder's worker still exists; it is asked whenever a transfer
     makes no progress for a couple of seconds, so a dead holder fails a wait at once and a
     silent one after ``timeout`` seconds.
+
+    The holder ends a connection silent for the ``idle_timeout`` of ``contact``; a push after
+    half that long without one goes over a new connection, made first.
     """
 
     def __init__(self, contact: dict[str, Any], worker: int, size: int, timeout: float,
                  alive: Callable[[], bool], into: np.ndarray | None = None) -> None:
         self.timeout = timeout
         self._alive = alive
+        self._contact = contact
+        self._worker = worker
         self._host = f"{contact['host']}:{contact['port']}"
-        self._sock = socket.create_connection((contact["host"], contact["port"]),
-                                              timeout=_CONNECT_TIMEOUT)
-        self._timeout: float | None = _CONNECT_TIMEOUT  # the socket's, as last set
-        try:
-            _tune(self._sock)
-            self._sock.sendall(_HELLO.pack(contact["token"], worker))
-            accepted = bytearray(1)
-            self._recv_into(memoryview(accepted),
-                            _Wait(_CONNECT_TIMEOUT, "the holder to accept the connection"))
-        except BaseException:
-            self._sock.close()
-            raise
+        # Half the holder's deadline: its clock starts after it replies, later than ours
+        # (at the push), and the margin covers a slow new connection.
+        self._stale_after = float(contact.get("idle_timeout", math.inf)) / 2
+        self._connect()
         # Where replies land (the worker's model itself, when it lives on the CPU).
         self._params = np.empty(size, dtype=np.float32) if into is None else into
         if self._params.dtype != np.float32 or self._params.shape != (size,) \
@@ -302,6 +396,13 @@ class ChannelClient:
                              f"{getattr(grads, 'shape', '?')}")
         data = None if grads is None else np.ascontiguousarray(grads)
         nbytes = -1 if data is None else data.nbytes
+        if time.monotonic() - self._last_push > self._stale_after:
+            self.close()
+            try:
+                self._connect()
+            except OSError as exc:
+                raise self._lost(exc) from exc
+        self._last_push = time.monotonic()
         wait = _Wait(self.timeout, "the holder to take a push")
         self._send(_PUSH.pack(version, count, loss, position[0], position[1], nbytes), wait)
         if data is not None:
@@ -327,6 +428,22 @@ class ChannelClient:
                                f"{view.nbytes}")
         self._recv_into(view, wait)
         return self._params, version
+
+    def _connect(self) -> None:
+        """Open the connection and present the worker's token."""
+        self._sock = socket.create_connection((self._contact["host"], self._contact["port"]),
+                                              timeout=_CONNECT_TIMEOUT)
+        self._timeout: float | None = _CONNECT_TIMEOUT  # the socket's, as last set
+        try:
+            _tune(self._sock)
+            self._sock.sendall(_HELLO.pack(self._contact["token"], self._worker))
+            accepted = bytearray(1)
+            self._recv_into(memoryview(accepted),
+                            _Wait(_CONNECT_TIMEOUT, "the holder to accept the connection"))
+        except BaseException:
+            self._sock.close()
+            raise
+        self._last_push = time.monotonic()  # the holder's idle clock starts now too
 
     def _send(self, data: bytes | memoryview, wait: _Wait) -> None:
         view = memoryview(data)

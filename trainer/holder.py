@@ -207,11 +207,11 @@ class ParameterHolder:
         local = self._worker is not None and address == self._worker.address
         return {"params": params, "version": version, "epoch": self.epoch,
                 "position": self._position_of(worker),
-                "channel": None if local else await self._channel_contact()}
+                "channel": None if local else await self._channel_contact(worker)}
 
-    async def _channel_contact(self) -> dict[str, Any] | None:
-        """Where to connect for pushes (None: use the actor); the listener opens on first
-        use."""
+    async def _channel_contact(self, worker: int) -> dict[str, Any] | None:
+        """Where ``worker`` connects for pushes, with its own token (None: use the actor);
+        the listener opens on first use."""
         if not self.config.direct_channel or self._worker is None or self._channel_failed:
             return None
         if self._channel is None:
@@ -227,7 +227,7 @@ class ParameterHolder:
                 self._channel_failed = True
                 return None
             self._channel = channel
-        return self._channel.contact()
+        return self._channel.contact(worker)
 
     async def leave(self, worker: int) -> None:
         """A worker finished its part of the epoch."""
