@@ -52,6 +52,21 @@ class FlatLayout:
         """Elements in a payload."""
         return self.num_params + self.num_buffers
 
+    def param_segments(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """Where each parameter lies in the flat buffer: ``(name, start, stop, shape)``.
+
+        For optimizers that work per tensor (LARS, LAMB: one trust ratio per tensor)
+        although the holder keeps one flat buffer; in ``params`` order, so the segments
+        tile ``[0, num_params)``.
+        """
+        segments = []
+        start = 0
+        for name, shape in self.params:
+            stop = start + int(np.prod(shape, dtype=np.int64))
+            segments.append((name, start, stop, shape))
+            start = stop
+        return segments
+
     @property
     def fingerprint(self) -> str:
         """Short digest of names and shapes: two models agree iff their fingerprints do."""

@@ -133,7 +133,8 @@ class ParameterHolder:
         self._buffers = self._flat[n:]
         self._average_buffer = torch.empty(self.layout.size, dtype=torch.float32)
         self._spare: list[np.ndarray] = []  # snapshot buffers of the other modes
-        self._optimizer = config.optimizer.build([self._param])
+        self._optimizer = config.optimizer.build([self._param],
+                                                 segments=self.layout.param_segments())
         self.version = 0
         self.updates = 0
         self.epoch = 0

@@ -65,7 +65,7 @@ class Trainer:
         ``loss(output, target) -> scalar tensor``, a mean over the batch (e.g.
         ``torch.nn.functional.cross_entropy``).
     optimizer
-        ``dt.optim.sgd(...)``, ``dt.optim.adam(...)`` or ``dt.optim.adamw(...)``.
+        ``dt.optim.sgd(...)``, ``adam``, ``adamw``, or the large-batch ``lars`` and ``lamb``.
     mode
         ``"sync"`` (all workers' gradients averaged per step: the same as one process
         training on the union of their batches) or ``"async"`` (each gradient applied on
