@@ -32,6 +32,8 @@ _LAZY = {
     "ParameterHolder": "dasktrain.trainer",
     "Trainer": "dasktrain.trainer",
     "TrainerError": "dasktrain.trainer",
+    "TrainingDiverged": "dasktrain.trainer",
+    "WorkersPaused": "dasktrain.trainer",
 }
 
 
@@ -56,7 +58,9 @@ __all__ = [
     "SourceError",
     "Trainer",
     "TrainerError",
+    "TrainingDiverged",
     "VerifyReport",
+    "WorkersPaused",
     "__version__",
     "describe",
     "open_dataset",

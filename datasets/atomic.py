@@ -12,6 +12,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from dasktrain._durable import fsync_directory
+
 __all__ = ["StagedDirectory", "check_output_path"]
 
 
@@ -63,6 +65,7 @@ class StagedDirectory:
             if aside is not None:
                 os.replace(aside, self.target)
             raise
+        fsync_directory(self.target.parent)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
 

@@ -1,11 +1,11 @@
 """The trainer: a central parameter holder (a Dask actor), workers as Dask tasks, the API."""
 
 from dasktrain.trainer import optim
-from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged, WorkersPaused
 from dasktrain.trainer.history import History
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.modes import MODES, get_mode
 from dasktrain.trainer.trainer import Trainer
 
 __all__ = ["MODES", "History", "HolderConfig", "HolderLost", "ParameterHolder", "Trainer",
-           "TrainerError", "get_mode", "optim"]
+           "TrainerError", "TrainingDiverged", "WorkersPaused", "get_mode", "optim"]

@@ -2,8 +2,9 @@
 
 The file is a ``torch.save`` of plain containers, numbers, strings and tensors only, and it
 is read with ``torch.load(weights_only=True)``: loading a checkpoint never runs code from it.
-It is written to a temporary sibling, flushed to disk and renamed over the old one, so a
-crash mid-write leaves the previous checkpoint intact.
+It is written to a temporary sibling, flushed to disk and renamed over the old one, and the
+directory is flushed after the rename, so a crash or power cut mid-write leaves the previous
+checkpoint intact and a completed save survives.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dasktrain._durable import fsync_directory
 
 __all__ = ["CHECKPOINT_FORMAT", "checkpoint_file", "load_checkpoint", "save_checkpoint"]
 
@@ -41,6 +44,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_directory(target.parent)
     return target
 
 

@@ -6,6 +6,8 @@ import dataclasses
 import statistics
 from typing import Any
 
+from dasktrain.trainer.update_log import PER_GRADIENT, PER_UPDATE
+
 __all__ = ["History"]
 
 
@@ -42,6 +44,10 @@ class History:
         for name, values in records.items():
             getattr(self, name).extend(values)
 
+    def records(self) -> dict[str, list]:
+        """The per-update and per-gradient lists, by name (as the holder reports them)."""
+        return {name: list(getattr(self, name)) for name in (*PER_UPDATE, *PER_GRADIENT)}
+
     @property
     def updates(self) -> int:
         return len(self.loss)
@@ -68,9 +74,14 @@ class History:
             "events": len(self.events),
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists and numbers (stored in checkpoints)."""
-        return dataclasses.asdict(self)
+    def to_dict(self, per_update: bool = True) -> dict[str, Any]:
+        """Plain lists and numbers; ``per_update=False`` leaves out the per-update and
+        per-gradient lists (a fit's checkpoint keeps those in its update log)."""
+        values = dataclasses.asdict(self)
+        if not per_update:
+            for name in (*PER_UPDATE, *PER_GRADIENT):
+                del values[name]
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> History:

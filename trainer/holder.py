@@ -32,7 +32,8 @@ import torch
 from distributed import get_worker
 
 from dasktrain.trainer.channel import ChannelServer, channel_host
-from dasktrain.trainer.errors import TrainerError
+from dasktrain.trainer.divergence import NonFiniteGuard, check_policy
+from dasktrain.trainer.errors import TrainerError, TrainingDiverged
 from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.modes import Contribution, get_mode, mode_class
 from dasktrain.trainer.optim import OptimizerConfig
@@ -73,6 +74,12 @@ class HolderConfig:
     direct_channel: bool = True
     """Pushes from workers in other processes go over a direct TCP connection to the
     holder (see :mod:`dasktrain.trainer.channel`); False keeps them on the actor's calls."""
+    on_nonfinite: str = "raise"
+    """A non-finite gradient or loss stops the run (``"raise"``) or is refused and skipped
+    (``"skip"``); see :mod:`dasktrain.trainer.divergence`."""
+    nonfinite_patience: int = 10
+    """With ``"skip"``: rounds (one gradient per worker) all refused in a row that still
+    stop the run, since no update is possible any more."""
 
     def __post_init__(self) -> None:
         if not callable(self.model):
@@ -82,6 +89,7 @@ class HolderConfig:
         mode_class(self.mode)  # unknown names fail here, before any cluster work
         if self.barrier_timeout <= 0 or self.check_interval <= 0:
             raise ValueError("barrier_timeout and check_interval must be positive")
+        check_policy(self.on_nonfinite, self.nonfinite_patience)
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,8 +151,12 @@ class ParameterHolder:
         self._positions: dict[int, tuple[int, int]] = {}
         self._clocks = [0] * config.workers
         self.refused = 0
+        self._guard = NonFiniteGuard(config.on_nonfinite, config.nonfinite_patience,
+                                     config.workers)
+        self._diverged: str | None = None  # set by an update; the run is then aborted
         self._records: dict[str, list] = _empty_records()
         self._events: list[str] = []
+        self._notices: list[dict[str, Any]] = []  # workers' warnings, for the driver
         self._mode = get_mode(config.mode, self, **config.mode_options)
         self._snapshot = self._make_snapshot()
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -244,6 +256,11 @@ class ParameterHolder:
         self.record_event(f"worker {worker} dropped: {reason}")
         await self._mode.membership_changed()
 
+    async def notify(self, worker: int, notices: list[dict[str, str]]) -> None:
+        """Warnings a worker saw (see :mod:`dasktrain.trainer.notices`), for the driver."""
+        self._member(worker)
+        self._notices.extend({**n, "worker": worker} for n in notices)
+
     # -- the exchange ------------------------------------------------------------------
     async def push(self, worker: int, version: int, grads: np.ndarray | None, count: int,
                    loss: float, position: tuple[int, int]) -> tuple[np.ndarray, int]:
@@ -277,6 +294,11 @@ class ParameterHolder:
     async def apply(self, contributions: list[Contribution]) -> None:
         """Apply the (weighted) average of ``contributions`` as one optimizer step."""
         await self._serially(self._apply, contributions)
+        if self._diverged is not None:
+            error = TrainingDiverged(self._diverged)
+            self.record_event(self._diverged)
+            await self._fail(error)
+            raise error
         if self._state_waiters and self.version >= min(v for v, _ in self._state_waiters):
             await self._serve_state_waiters()
 
@@ -308,23 +330,32 @@ class ParameterHolder:
         # Worker order, not arrival order: the same sums on every run.
         contributions = sorted(contributions, key=lambda c: c.worker)
         used = [c for c in contributions if c.grads is not None and c.count > 0]
+        refusals = [f"worker {c.worker}: non-finite batch loss ({c.loss})" for c in used
+                    if not math.isfinite(c.loss)]
+        used = [c for c in used if math.isfinite(c.loss)]
         grad = self._average(used)
         if grad is not None and not _all_finite(grad):
             # Rare: find the culprits (one check each) and average the rest.
             checked = [(c, _all_finite(_tensor(c.grads))) for c in used]
-            for c, finite in checked:
-                if not finite:
-                    self.refused += 1
-                    self.record_event(f"worker {c.worker}: non-finite gradient refused")
+            refusals += [f"worker {c.worker}: non-finite gradient"
+                         for c, finite in checked if not finite]
             used = [c for c, finite in checked if finite]
             grad = self._average(used, overflow_safe=True)
             if grad is not None and not _all_finite(grad):
                 # Finite payloads whose mean is not (values at the float32 limit).
-                for c in used:
-                    self.refused += 1
-                    self.record_event(f"worker {c.worker}: gradient refused (its average "
-                                      "with the others overflows float32)")
+                refusals += [f"worker {c.worker}: gradient whose average with the "
+                             "others overflows float32" for c in used]
                 used, grad = [], None
+        for reason in refusals:
+            self.refused += 1
+            self.record_event(f"{reason}, refused")
+            # Updates are counted from 1 in messages: this would have been the next one.
+            stop = self._guard.refused(reason, self.updates + 1,
+                                       self.config.optimizer.lr_at(self.updates,
+                                                                   self.config.total_steps))
+            if stop is not None:
+                self._diverged = stop  # nothing of this round is applied
+                return
         total = sum(c.count for c in used)
         if grad is not None:
             self._step(grad)
@@ -339,9 +370,11 @@ class ParameterHolder:
             self.version += 1
             self._snapshot = self._make_snapshot()
         if used:
+            loss = sum(c.loss * c.count for c in used) / total
+            self._guard.applied(loss, self.updates)
             records["version"].append(self.version)
             records["time"].append(time.time())
-            records["loss"].append(sum(c.loss * c.count for c in used) / total)
+            records["loss"].append(loss)
             records["samples"].append(total)
             records["contributors"].append(len(used))
 
@@ -447,11 +480,13 @@ class ParameterHolder:
     def _progress(self) -> dict[str, Any]:
         records, self._records = self._records, _empty_records()
         events, self._events = self._events, []
+        notices, self._notices = self._notices, []
         return {"version": self.version, "updates": self.updates, "epoch": self.epoch,
                 "refused": self.refused, "clocks": list(self._clocks),
+                "diverged": self._diverged,
                 "members": {w: m.state for w, m in self._members.items()},
                 "waiting_for": sorted(self._mode.waiting_for()),
-                "records": records, "events": events}
+                "records": records, "events": events, "notices": notices}
 
     async def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: parameters, optimizer state, version, clocks and
@@ -470,6 +505,7 @@ class ParameterHolder:
             "clocks": list(self._clocks),
             "positions": {w: list(p) for w, p in self._positions.items()},
             "refused": self.refused,
+            "nonfinite": self._guard.state_dict(),
             "layout": self.layout.fingerprint,
             "mode": self.config.mode,
             "mode_state": self._mode.state_dict(),
@@ -516,15 +552,19 @@ class ParameterHolder:
         self._positions = {int(w): (int(p[0]), int(p[1]))
                            for w, p in state["positions"].items()}
         self.refused = int(state["refused"])
+        self._guard.load_state_dict(state.get("nonfinite", {}))
         self._mode.load_state_dict(state["mode_state"])
         self._snapshot = self._make_snapshot()
 
     async def abort(self, reason: str) -> None:
         """Fail every waiting and future call with ``reason`` (the run is over)."""
+        await self._fail(TrainerError(reason))
+
+    async def _fail(self, error: TrainerError) -> None:
         if self._error is None:
-            self._error = TrainerError(reason)
-            self._mode.abort(self._error)
-            self._fail_state_waiters(self._error)
+            self._error = error
+            self._mode.abort(error)
+            self._fail_state_waiters(error)
 
     async def close(self) -> None:
         """Stop the watchdog and the arithmetic thread."""

@@ -10,8 +10,10 @@ rerun and rejoins).
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,12 @@ from distributed.client import FutureCancelledError
 
 from dasktrain._cluster import worker_info
 from dasktrain.trainer.checkpoint import save_checkpoint
-from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.history import History
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.update_log import UpdateLog
+from dasktrain.trainer.watch import PauseWatch
 from dasktrain.trainer.worker import WorkerConfig, run_worker
 
 __all__ = ["FitRun"]
@@ -53,10 +57,17 @@ class FitRun:
         self.last_checkpoint: Path | None = None
         self._saved_version = -1
         self._pending_state: Any = None  # the holder's state_at call for the next checkpoint
+        self._warned: set[tuple[str, str]] = set()
+        self._log: UpdateLog | None = None
+        if checkpoint:  # the updates so far (a resumed run's) start the run's log
+            self._log = UpdateLog(checkpoint)
+            self._log.rewrite(history.records())
+        self._pauses = PauseWatch(client)
         workers = worker_info(client)
         if not workers:
             raise TrainerError("the Dask cluster has no workers")
         self.addresses = sorted(workers)
+        _warn_if_oversubscribed(worker_config, workers)
         self._gpu = any("GPU" in (w.get("resources") or {}) for w in workers.values())
         target = holder_worker or _roomiest(workers)
         if target not in workers:
@@ -66,13 +77,29 @@ class FitRun:
             ParameterHolder, holder_config, actor=True, workers=[target],
             allow_other_workers=False, pure=False)
         try:
-            self.holder = self._holder_future.result(timeout=timeout)
-        except Exception as exc:
-            raise TrainerError(f"could not start the parameter holder on {target}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            self.holder = self._await_holder(target, timeout)
+        except BaseException:
+            self._holder_future.cancel()
+            raise
         self.holder_address = target
         self._handle = HolderHandle(self.holder, timeout, client)
         self.version = 0
+
+    def _await_holder(self, target: str, timeout: float) -> Any:
+        """The holder actor once it is built, failing within seconds if its worker is
+        paused (it would never start)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._holder_future.result(timeout=1.0)
+            except TimeoutError:
+                self._pauses.check(None, "starting the parameter holder")
+                if time.monotonic() >= deadline:
+                    raise TrainerError(f"the parameter holder did not start on {target} "
+                                       f"within {timeout:.0f}s") from None
+            except Exception as exc:
+                raise TrainerError(f"could not start the parameter holder on {target}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
 
     # -- holder calls from the driver --------------------------------------------------
     def call(self, method: str, *args: Any) -> Any:
@@ -141,6 +168,7 @@ class FitRun:
                 return []
             if isinstance(exc, HolderLost) or not self.holder_alive():
                 self._holder_lost()
+            self.poll()  # the holder's own reason (divergence) says more than the worker's
             raise TrainerError(f"a trainer worker failed: {type(exc).__name__}: {exc}") \
                 from exc
 
@@ -158,13 +186,31 @@ class FitRun:
         progress = self.call("progress")
         self.version = progress["version"]
         self.history.extend(progress["records"])
+        if self._log is not None:
+            self._log.append(progress["records"])
         self.history.events.extend(progress["events"])
         self.history.refused_gradients = progress["refused"]
+        self._forward(progress["notices"])
+        if progress["diverged"] is not None:
+            raise TrainingDiverged(progress["diverged"])
+        self._pauses.check(self.version, f"training (epoch {progress['epoch']})")
         if self.progress is not None and progress["records"]["loss"]:
             records = progress["records"]
             self.progress.update(len(records["loss"]))
             self.progress.set_postfix(epoch=progress["epoch"], loss=f"{records['loss'][-1]:.4g}")
         self._take_checkpoint()
+
+    def _forward(self, notices: list[dict[str, Any]]) -> None:
+        """Raise the first occurrence of each worker's warning here, where it is seen."""
+        for notice in notices:
+            key = (notice["category"], notice["message"])
+            if key in self._warned:
+                continue
+            self._warned.add(key)
+            self.history.events.append(f"worker {notice['worker']} warned: "
+                                       f"{notice['category']}: {notice['message']}")
+            warnings.warn(f"trainer worker {notice['worker']}: {notice['message']}",
+                          _category(notice["category"]), stacklevel=2)
 
     def _take_checkpoint(self, ask_next: bool = True) -> None:
         """Write the state the holder captured at the last ``checkpoint_every`` mark, and
@@ -204,9 +250,12 @@ class FitRun:
         extra = self.checkpoint_extra()
         if complete_epochs is None:
             complete_epochs = int(holder_state["epoch"])
+        if self._log is not None:
+            self._log.sync()
+        # Small and of constant size: the per-update records are in the update log.
         self.last_checkpoint = save_checkpoint(self.checkpoint, {
             "holder": holder_state, "complete_epochs": complete_epochs,
-            "history": self.history.to_dict(), **extra})
+            "history": self.history.to_dict(per_update=False), **extra})
         self._saved_version = int(holder_state["version"])
         logger.info("checkpoint at version %d: %s", holder_state["version"],
                     self.last_checkpoint)
@@ -229,3 +278,22 @@ class FitRun:
 def _roomiest(workers: dict[str, dict[str, Any]]) -> str:
     """The worker with the most memory (actor state is not spillable), first by address."""
     return max(sorted(workers), key=lambda a: workers[a].get("memory_limit") or 0)
+
+
+def _category(name: str) -> type[Warning]:
+    """The built-in warning class of that name (so users' filters apply), else
+    UserWarning."""
+    found = getattr(builtins, name, None)
+    return found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
+
+
+def _warn_if_oversubscribed(config: WorkerConfig, workers: dict[str, dict[str, Any]]) -> None:
+    threads = sum(int(w.get("nthreads") or 1) for w in workers.values())
+    if config.workers <= threads:
+        return
+    sharing = -(-config.workers // len(workers))
+    warnings.warn(
+        f"{config.workers} trainer workers on a cluster of {threads} worker thread(s) in "
+        f"{len(workers)} process(es): up to {sharing} trainer tasks share one Dask worker "
+        f"process, each with {config.torch_threads or 'all'} torch thread(s), and compete "
+        f"for its cores. Use workers <= {threads}, or add Dask workers", stacklevel=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -19,12 +20,15 @@ from dasktrain._cluster import cluster_client
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline import EpochPlan, Pipeline
 from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.trainer.divergence import check_policy
+from dasktrain.trainer.errors import TrainingDiverged
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.history import History
 from dasktrain.trainer.holder import HolderConfig
 from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.run import FitRun
+from dasktrain.trainer.update_log import UpdateLog, records_of
 from dasktrain.trainer.worker import LossFunction, WorkerConfig
 
 __all__ = ["Trainer"]
@@ -37,6 +41,29 @@ _PIPELINE_OPTIONS = ("shuffle", "seed", "transform", "prefetch", "shuffle_blocks
 
 def _copy_of(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)
+
+
+def _merge_mode_options(given: dict[str, Any] | None, keywords: dict[str, Any]
+                        ) -> dict[str, Any]:
+    if given is None:
+        return keywords
+    if not isinstance(given, dict):
+        raise TypeError(f"mode_options must be a dict, got {type(given).__name__}")
+    both = sorted(set(given) & set(keywords))
+    if both:
+        raise TypeError(f"mode option(s) {both} given both in mode_options and as keywords")
+    return {**given, **keywords}
+
+
+def _checkpoint_history(state: dict[str, Any], path: str | os.PathLike) -> History:
+    """The History of a checkpoint: its summary, and the per-update records from the update
+    log beside it up to the checkpoint's version (a fit checkpoint) or from the file itself
+    (a :meth:`Trainer.save`)."""
+    history = History.from_dict(state["history"])
+    if not history.version and "holder" in state:
+        rows = UpdateLog(path).read(up_to_version=int(state["holder"]["version"]))
+        history.extend(records_of(rows))
+    return history
 
 
 def _factory(model: ModelSpec) -> Callable[[], torch.nn.Module]:
@@ -92,6 +119,13 @@ class Trainer:
         over a direct TCP connection to the holder's worker (on ``tcp://`` clusters; a
         worker that cannot connect falls back by itself). False: every exchange goes
         through the holder actor's Dask calls, several milliseconds slower per step.
+    on_nonfinite
+        ``"raise"`` (default): a non-finite loss or gradient stops the run with
+        :class:`~dasktrain.TrainingDiverged`. ``"skip"``: the gradient is refused (counted in
+        ``History.refused_gradients``) and the run goes on, unless every gradient is refused
+        for ``nonfinite_patience`` rounds in a row, which also stops it.
+    nonfinite_patience
+        See ``on_nonfinite``; a round is one gradient per worker.
     checkpoint_every
         Also checkpoint every this many updates (taken by the holder at exactly those
         update counts), not only at epoch ends.
@@ -100,8 +134,9 @@ class Trainer:
     torch_threads
         Intra-op threads of torch in each worker process (1 keeps workers from
         oversubscribing the cores; 0 leaves torch's default).
-    **mode_options
-        Options of the mode.
+    mode_options, **more_mode_options
+        Options of the mode, as a dict or as keywords (not both for the same option).
+        Unknown options are refused by the mode.
     """
 
     def __init__(
@@ -125,12 +160,16 @@ class Trainer:
         timeout: float = 300.0,
         barrier_timeout: float = 120.0,
         direct_channel: bool = True,
+        on_nonfinite: str = "raise",
+        nonfinite_patience: int = 10,
         checkpoint_every: int | None = None,
         progress: bool = True,
         torch_threads: int = 1,
-        **mode_options: Any,
+        mode_options: dict[str, Any] | None = None,
+        **more_mode_options: Any,
     ) -> None:
         self._factory = _factory(model)
+        mode_options = _merge_mode_options(mode_options, more_mode_options)
         if not callable(loss):
             raise TypeError("loss must be a callable loss(output, target) -> tensor")
         if not isinstance(optimizer, OptimizerConfig):
@@ -144,6 +183,7 @@ class Trainer:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
         if timeout <= 0 or barrier_timeout <= 0:
             raise ValueError("timeout and barrier_timeout must be positive")
+        check_policy(on_nonfinite, nonfinite_patience)
         self.loss = loss
         self.optimizer = optimizer
         self.mode = mode
@@ -158,6 +198,8 @@ class Trainer:
         self.timeout = timeout
         self.barrier_timeout = barrier_timeout
         self.direct_channel = direct_channel
+        self.on_nonfinite = on_nonfinite
+        self.nonfinite_patience = nonfinite_patience
         self.checkpoint_every = checkpoint_every
         self.show_progress = progress
         self.torch_threads = torch_threads
@@ -232,7 +274,7 @@ class Trainer:
         state = load_checkpoint(resume) if resume is not None else None
         if state is not None:
             self._check_resumable(state)
-        history = History.from_dict(state["history"]) if state else \
+        history = _checkpoint_history(state, resume) if state else \
             History(mode=self.mode, workers=self.workers)
         start = int(state["complete_epochs"]) if state else 0
         lockstep = mode_class(self.mode).lockstep
@@ -243,48 +285,71 @@ class Trainer:
             model=self._factory, optimizer=self.optimizer, workers=self.workers,
             mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
             barrier_timeout=self.barrier_timeout, torch_threads=self.torch_threads,
-            direct_channel=self.direct_channel)
+            direct_channel=self.direct_channel, on_nonfinite=self.on_nonfinite,
+            nonfinite_patience=self.nonfinite_patience)
         worker_config = WorkerConfig(
             model=self._factory, loss=self.loss, data=dataset, workers=self.workers,
             batch_size=self.batch_size, lockstep=lockstep, pipeline_options=options,
             device=self.device, torch_threads=self.torch_threads, timeout=self.timeout)
         bar = self._progress_bar(total_steps, initial=len(history.loss))
         started = time.perf_counter() - history.wall_time
-        with cluster_client(client) as c:
-            run = FitRun(c, holder_config, worker_config, holder_worker=self.holder_worker,
-                         timeout=self.timeout,
-                         checkpoint=str(checkpoint) if checkpoint is not None else None,
-                         checkpoint_every=self.checkpoint_every,
-                         checkpoint_extra=lambda: {"trainer": self._config()},
-                         history=history, progress=bar)
-            try:
-                if state is not None:
-                    run.call("load_state_dict", state["holder"])
-                    run.version = int(state["holder"]["version"])
-                for epoch in range(start, epochs):
-                    fresh = state is None or epoch != int(state["holder"]["epoch"])
-                    epoch_started = time.perf_counter()
-                    reports = run.run_epoch(epoch, fresh)
-                    self._load(run.parameters())
-                    record = self._epoch_record(epoch, reports,
-                                                time.perf_counter() - epoch_started)
-                    if validation is not None:
-                        record["validation"] = self.evaluate(validation, client=c)
-                    history.epochs.append(record)
-                    history.wall_time = time.perf_counter() - started
-                    run.save(complete_epochs=epoch + 1)
-                    for callback in callbacks:
-                        callback(self, record)
-                self._load(run.parameters())
-            finally:
-                if run.last_checkpoint is not None:
-                    self.last_checkpoint = str(run.last_checkpoint)
-                run.close()
-                if bar is not None:
-                    bar.close()
+        try:
+            with cluster_client(client) as c:
+                run = FitRun(c, holder_config, worker_config,
+                             holder_worker=self.holder_worker, timeout=self.timeout,
+                             checkpoint=str(checkpoint) if checkpoint is not None else None,
+                             checkpoint_every=self.checkpoint_every,
+                             checkpoint_extra=lambda: {"trainer": self._config()},
+                             history=history, progress=bar)
+                try:
+                    self._run(run, c, state, start, epochs, history, started, validation,
+                              callbacks)
+                except TrainingDiverged:
+                    # The holder refused the round that diverged: its parameters are the
+                    # last finite ones, worth having in trainer.model.
+                    with contextlib.suppress(Exception):
+                        self._load(run.parameters())
+                    raise
+                finally:
+                    if run.last_checkpoint is not None:
+                        self.last_checkpoint = str(run.last_checkpoint)
+                    run.close()
+        except BaseException as exc:
+            # What was recorded up to the failure stays available, here and on the error.
+            history.wall_time = time.perf_counter() - started
+            self.history = history
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.history = history
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         history.wall_time = time.perf_counter() - started
         self.history = history
         return history
+
+    def _run(self, run: FitRun, client: Client, state: dict[str, Any] | None, start: int,
+             epochs: int, history: History, started: float,
+             validation: Dataset | str | os.PathLike | None,
+             callbacks: Iterable[Callback]) -> None:
+        """The epochs of a fit, from ``start``."""
+        if state is not None:
+            run.call("load_state_dict", state["holder"])
+            run.version = int(state["holder"]["version"])
+        for epoch in range(start, epochs):
+            fresh = state is None or epoch != int(state["holder"]["epoch"])
+            epoch_started = time.perf_counter()
+            reports = run.run_epoch(epoch, fresh)
+            self._load(run.parameters())
+            record = self._epoch_record(epoch, reports, time.perf_counter() - epoch_started)
+            if validation is not None:
+                record["validation"] = self.evaluate(validation, client=client)
+            history.epochs.append(record)
+            history.wall_time = time.perf_counter() - started
+            run.save(complete_epochs=epoch + 1)
+            for callback in callbacks:
+                callback(self, record)
+        self._load(run.parameters())
 
     def _check_resumable(self, state: dict[str, Any]) -> None:
         mine, theirs = self._config(), state.get("trainer", {})
@@ -371,14 +436,18 @@ class Trainer:
         config = state.get("trainer")
         if config is None:
             raise ValueError(f"{path} holds no trainer settings")
+        mode_options = config.get("mode_options") or {}
+        if not isinstance(mode_options, dict):
+            raise ValueError(f"{path}: the stored mode options are not a mapping")
+        # One dict, checked by the mode: a file never sets other constructor arguments.
         trainer = cls(model, loss, OptimizerConfig.from_dict(config["optimizer"]),
                       config["mode"], config["workers"], config["batch_size"],
-                      seed=config["seed"], **config.get("mode_options", {}))
+                      seed=config["seed"], mode_options=mode_options)
         if "model" in state:
             trainer.model.load_state_dict(state["model"])
         else:  # a fit checkpoint: the holder's flat parameters then buffers
             holder = state["holder"]
             trainer._load(torch.cat([holder["params"], holder["buffers"]]).numpy())
         if state.get("history"):
-            trainer.history = History.from_dict(state["history"])
+            trainer.history = _checkpoint_history(state, path)
         return trainer

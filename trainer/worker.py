@@ -22,6 +22,12 @@ from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
+from dasktrain.trainer.notices import (
+    capture_warnings,
+    shape_notice,
+    taken_warnings,
+    watch_this_thread,
+)
 
 __all__ = ["WorkerConfig", "pick_device", "run_worker"]
 
@@ -64,9 +70,12 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
         address = get_worker().address
     except ValueError:
         address = None
+    capture_warnings()
+    watch_this_thread()
     try:
         return _train(config, handle, flat, device, worker, address, epoch, started)
     finally:
+        taken_warnings(stop=True)
         handle.close()
 
 
@@ -102,6 +111,8 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
             x, y = batch if isinstance(batch, tuple) else (batch, None)
             flat.zero_grad()
             output = flat.model(x)
+            if step == start and y is not None:
+                _tell(handle, worker, [shape_notice(output, y)])
             loss = config.loss(output, y) if y is not None else config.loss(output)
             loss.backward()
             payload, count, loss_value = flat.payload(), len(x), float(loss.detach())
@@ -112,6 +123,7 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
         batch = take(step + 1) if step + 1 < steps else None  # overlaps the exchange
         params, version = handle.wait(future, f"worker {worker}'s update at step {step}")
         flat.load(params)
+        _tell(handle, worker, taken_warnings())
         compute += t1 - t0
         wait += time.perf_counter() - t1
     for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
@@ -123,3 +135,10 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
             "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
             "exchange_via": handle.via}
+
+
+def _tell(handle: HolderHandle, worker: int, notices: list) -> None:
+    """Hand warnings to the holder, for the driver (rare: nothing is sent when none)."""
+    notices = [n for n in notices if n is not None]
+    if notices:
+        handle.request("notify", worker, notices, what=f"worker {worker}'s warnings")

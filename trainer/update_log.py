@@ -1,0 +1,94 @@
+"""Per-update records beside a checkpoint, appended as they come (JSON lines).
+
+A checkpoint is rewritten whole at every save; if it carried every update's record, a long
+run's checkpoint I/O would grow with the square of its length. The checkpoint therefore
+holds the run's summary (epochs, events, counters) and this file holds one line per update:
+``{"version": …, "loss": …, "samples": …, "contributors": …, "time": …, "staleness": [one
+per applied gradient], "staleness_worker": […]}``. A resume keeps the lines up to the
+checkpoint's version (later ones are redone) and rewrites the file to those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from dasktrain._durable import fsync_directory
+from dasktrain.trainer.checkpoint import checkpoint_file
+
+__all__ = ["PER_GRADIENT", "PER_UPDATE", "UpdateLog", "records_of", "rows_of"]
+
+PER_UPDATE = ("version", "time", "loss", "samples", "contributors")
+PER_GRADIENT = ("staleness", "staleness_worker")  # ``contributors`` entries per update
+
+
+def rows_of(records: dict[str, list]) -> Iterator[dict[str, Any]]:
+    """Column lists (as the holder reports them) as one dict per update."""
+    at = 0
+    for i in range(len(records["version"])):
+        row = {name: records[name][i] for name in PER_UPDATE}
+        n = int(row["contributors"])
+        row.update({name: records[name][at : at + n] for name in PER_GRADIENT})
+        at += n
+        yield row
+
+
+def records_of(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """The inverse of :func:`rows_of`."""
+    records: dict[str, list] = {name: [] for name in (*PER_UPDATE, *PER_GRADIENT)}
+    for row in rows:
+        for name in PER_UPDATE:
+            records[name].append(row[name])
+        for name in PER_GRADIENT:
+            records[name].extend(row[name])
+    return records
+
+
+class UpdateLog:
+    """The per-update file of the checkpoint at ``checkpoint`` (a directory or a ``.pt``)."""
+
+    def __init__(self, checkpoint: str | os.PathLike) -> None:
+        target = checkpoint_file(checkpoint)
+        self.path = target.with_name(f"{target.stem}-updates.jsonl")
+
+    def read(self, up_to_version: int | None = None) -> list[dict[str, Any]]:
+        """The rows written so far (those of versions up to ``up_to_version``)."""
+        if not self.path.is_file():
+            return []
+        rows = []
+        with self.path.open() as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # a line cut short by a crash: the checkpoint never counted it
+                row = json.loads(line)
+                if up_to_version is not None and row["version"] > up_to_version:
+                    break
+                rows.append(row)
+        return rows
+
+    def rewrite(self, records: dict[str, list]) -> None:
+        """Replace the file with ``records`` (atomically), e.g. when a run starts or
+        resumes."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with tmp.open("w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows_of(records))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_directory(self.path.parent)
+
+    def append(self, records: dict[str, list]) -> None:
+        """Add the updates of ``records`` (column lists, as the holder reports them)."""
+        if not records["version"]:
+            return
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows_of(records))
+
+    def sync(self) -> None:
+        """Make what was appended durable (before a checkpoint that counts on it)."""
+        if self.path.is_file():
+            with self.path.open("rb+") as f:
+                os.fsync(f.fileno())
