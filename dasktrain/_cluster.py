@@ -15,23 +15,28 @@ from collections.abc import Iterator
 
 from distributed import Client, LocalCluster
 
-__all__ = ["cluster_client", "default_local_cluster_options", "start_local_cluster",
-           "worker_info"]
+__all__ = ["MAX_LOCAL_WORKERS", "cluster_client", "default_local_cluster_options",
+           "start_local_cluster", "worker_info"]
 
 logger = logging.getLogger(__name__)
+
+#: Worker processes of the embedded LocalCluster: one per core, at most this many (more
+#: processes on a big machine mostly add memory and start-up time for small jobs).
+MAX_LOCAL_WORKERS = 8
 
 
 def default_local_cluster_options(
     n_workers: int | None = None, memory_limit: str | float | None = None
 ) -> dict:
-    """Options for the embedded LocalCluster: one single-threaded worker process per core.
+    """Options for the embedded LocalCluster: one single-threaded worker process per core
+    (at most :data:`MAX_LOCAL_WORKERS`).
 
     One thread per process keeps numpy/torch from oversubscribing the cores, and processes
     (not threads) keep the GIL out of the data path.
     """
     cores = os.cpu_count() or 1
     options: dict = {
-        "n_workers": n_workers or max(1, min(cores, 8)),
+        "n_workers": n_workers or max(1, min(cores, MAX_LOCAL_WORKERS)),
         "threads_per_worker": 1,
         "processes": True,
         "host": "127.0.0.1",

@@ -1,7 +1,8 @@
 """The ``dasktrain`` command: thin wrappers that parse arguments and call one library function.
 
 User mistakes (bad paths, options, data) print one line on stderr and exit with status 2;
-Ctrl-C exits with 130 after the interrupted command has cleaned up after itself.
+Ctrl-C exits with 130 after the interrupted command has cleaned up after itself. An internal
+error (a bug) shows its traceback and exits with status 1, so it is reported, not hidden.
 """
 
 from __future__ import annotations
@@ -144,9 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dasktrain {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, OSError, KeyError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"dasktrain {args.command}: error: {message}", file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        # Bad input (paths, options, data: DatasetError and SourceError are ValueErrors).
+        # Anything else is a bug of ours: its traceback and exit status 1 get it reported.
+        print(f"dasktrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
         signal.signal(signal.SIGINT, previous)

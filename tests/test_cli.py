@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -148,3 +150,24 @@ def test_prepare_on_an_existing_cluster(client, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "3 classes" in result.stdout
     assert client.status == "running"  # the command disconnected, the cluster lives on
+
+
+def test_an_internal_error_shows_its_traceback_and_exits_1(tmp_path):
+    """A bug of ours (here: describe() failing with a KeyError) is not dressed up as bad
+    input: the traceback shows and the status is 1, not the user-error status 2."""
+    code = ("import sys, dasktrain.datasets as d\n"
+            "def broken(path):\n"
+            "    return {}['internal']\n"
+            "d.describe = broken\n"
+            "from dasktrain.cli import main\n"
+            "sys.exit(main(['info', sys.argv[1]]))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "KeyError: 'internal'" in done.stderr
+
+
+def test_a_bad_dataset_path_is_still_one_line_and_exit_2(tmp_path):
+    done = run_cli("info", str(tmp_path / "missing.zarr"))
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
