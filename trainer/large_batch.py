@@ -57,12 +57,26 @@ class _PerTensorOptimizer(torch.optim.Optimizer):
         spans = self._spans.get(param)
         return spans if spans is not None else [(0, param.numel(), tuple(param.shape))]
 
-    def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        if param.grad is None:
-            return None
-        if param.grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        return param.grad.reshape(-1)
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse "
+                                       "gradients")
+                self._update(group, param, param.view(-1), param.grad.reshape(-1))
+        return loss
+
+    def _update(self, group: dict[str, Any], param: torch.Tensor, weights: torch.Tensor,
+                grad: torch.Tensor) -> None:
+        """One tensor's step: ``weights`` and ``grad`` are its flattened views."""
+        raise NotImplementedError
 
 
 def _check_segments(segments: Sequence[Segment], numel: int) -> list[_Span]:
@@ -123,37 +137,26 @@ class LARS(_PerTensorOptimizer):
                     "exclude_bias_and_norm": exclude_bias_and_norm}
         super().__init__(params, defaults, segments)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            for param in group["params"]:
-                grad = self._grad(param)
-                if grad is None:
-                    continue
-                weights = param.view(-1)
-                # d = local_lr * (g + wd * w), built in one scratch copy of the gradient.
-                update = grad.clone()
-                for start, stop, shape in self._spans_of(param):
-                    if _adapted(shape, group):
-                        w, d = weights[start:stop], update[start:stop]
-                        if group["weight_decay"]:
-                            d.add_(w, alpha=group["weight_decay"])
-                        _scale_by_trust_ratio(w, d, group["trust_coefficient"], group["eps"])
-                if momentum:
-                    state = self.state[param]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(weights)
-                    buffer = state["momentum_buffer"]
-                    buffer.mul_(momentum).add_(update, alpha=lr)
-                    weights.sub_(buffer)
-                else:
-                    weights.sub_(update, alpha=lr)
-        return loss
+    def _update(self, group: dict[str, Any], param: torch.Tensor, weights: torch.Tensor,
+                grad: torch.Tensor) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        # d = local_lr * (g + wd * w), built in one scratch copy of the gradient.
+        update = grad.clone()
+        for start, stop, shape in self._spans_of(param):
+            if _adapted(shape, group):
+                w, d = weights[start:stop], update[start:stop]
+                if group["weight_decay"]:
+                    d.add_(w, alpha=group["weight_decay"])
+                _scale_by_trust_ratio(w, d, group["trust_coefficient"], group["eps"])
+        if momentum:
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(weights)
+            buffer = state["momentum_buffer"]
+            buffer.mul_(momentum).add_(update, alpha=lr)
+            weights.sub_(buffer)
+        else:
+            weights.sub_(update, alpha=lr)
 
 
 class LAMB(_PerTensorOptimizer):
@@ -180,38 +183,27 @@ class LAMB(_PerTensorOptimizer):
                     "exclude_bias_and_norm": exclude_bias_and_norm}
         super().__init__(params, defaults, segments)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                grad = self._grad(param)
-                if grad is None:
-                    continue
-                weights = param.view(-1)
-                state = self.state[param]
-                if not state:
-                    # A float32 step, as torch.optim.Adam keeps it: exact up to 2**24.
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(weights)
-                    state["exp_avg_sq"] = torch.zeros_like(weights)
-                state["step"] += 1
-                t = int(state["step"].item())
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                # The moments element-wise over the whole tensor (flat buffer: all at once).
-                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denominator = (exp_avg_sq / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                update = (exp_avg / (1 - beta1**t)).div_(denominator)
-                for start, stop, shape in self._spans_of(param):
-                    if _adapted(shape, group):
-                        w, u = weights[start:stop], update[start:stop]
-                        if group["weight_decay"]:
-                            u.add_(w, alpha=group["weight_decay"])
-                        _scale_by_trust_ratio(w, u, 1.0, 0.0)
-                weights.sub_(update, alpha=group["lr"])
-        return loss
+    def _update(self, group: dict[str, Any], param: torch.Tensor, weights: torch.Tensor,
+                grad: torch.Tensor) -> None:
+        beta1, beta2 = group["betas"]
+        state = self.state[param]
+        if not state:
+            # A float32 step, as torch.optim.Adam keeps it: exact up to 2**24.
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(weights)
+            state["exp_avg_sq"] = torch.zeros_like(weights)
+        state["step"] += 1
+        t = int(state["step"].item())
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # The moments element-wise over the whole tensor (flat buffer: all at once).
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denominator = (exp_avg_sq / (1 - beta2**t)).sqrt_().add_(group["eps"])
+        update = (exp_avg / (1 - beta1**t)).div_(denominator)
+        for start, stop, shape in self._spans_of(param):
+            if _adapted(shape, group):
+                w, u = weights[start:stop], update[start:stop]
+                if group["weight_decay"]:
+                    u.add_(w, alpha=group["weight_decay"])
+                _scale_by_trust_ratio(w, u, 1.0, 0.0)
+        weights.sub_(update, alpha=group["lr"])
