@@ -40,6 +40,9 @@ class HolderHandle:
         # The actor's address is not public API; it names the worker holding the actor.
         self.address: str = actor._address
         self._local = None
+        # What the last liveness check heard from the scheduler (address -> worker info):
+        # the driver's other checks of the cluster read it instead of asking again.
+        self.last_workers: dict[str, dict] | None = None
         self._channel: ChannelClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
@@ -136,4 +139,5 @@ class HolderHandle:
             workers = worker_info(self._client or get_client())
         except Exception:  # cannot tell right now: keep waiting until the deadline
             return True
+        self.last_workers = workers
         return self.address in workers

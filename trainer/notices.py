@@ -20,26 +20,28 @@ __all__ = ["Notice", "capture_warnings", "shape_notice", "taken_warnings", "watc
 
 Notice = dict[str, str]
 
-_lock = threading.Lock()
-_pending: dict[int, list[Notice]] = {}  # thread id -> warnings shown in it, not yet taken
+_install_lock = threading.Lock()
 _installed = False
+# Per thread: the warnings shown in it and not yet taken, or no attribute when the thread
+# is not watched. The hook runs in the thread that warns, so no lock is needed: the
+# per-step check of a trainer task is one attribute read.
+_watched = threading.local()
 
 
 def capture_warnings() -> None:
     """Install the per-process hook (once); warnings are still shown as before."""
     global _installed
-    with _lock:
+    with _install_lock:
         if _installed:
             return
         shown = warnings.showwarning
 
         def keep(message: Warning | str, category: type[Warning], filename: str,
                  lineno: int, file: Any = None, line: str | None = None) -> None:
-            with _lock:
-                queue = _pending.get(threading.get_ident())
-                if queue is not None:
-                    queue.append({"category": category.__name__,
-                                  "message": f"{message} ({filename}:{lineno})"})
+            queue = getattr(_watched, "queue", None)
+            if queue is not None:
+                queue.append({"category": category.__name__,
+                              "message": f"{message} ({filename}:{lineno})"})
             shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = keep
@@ -48,19 +50,18 @@ def capture_warnings() -> None:
 
 def watch_this_thread() -> None:
     """Keep the warnings shown in the calling thread from now on."""
-    with _lock:
-        _pending[threading.get_ident()] = []
+    _watched.queue = []
 
 
 def taken_warnings(stop: bool = False) -> list[Notice]:
     """The warnings shown in the calling thread since the last call (``stop``: and stop
     keeping them)."""
-    ident = threading.get_ident()
-    with _lock:
-        queue = _pending.pop(ident, []) if stop else _pending.get(ident, [])
-        if not stop and queue:
-            _pending[ident] = []
-    return list(queue)
+    queue = getattr(_watched, "queue", None)
+    if stop:
+        _watched.__dict__.pop("queue", None)
+    elif queue:
+        _watched.queue = []
+    return queue or []
 
 
 def shape_notice(output: Any, target: Any) -> Notice | None:

@@ -193,7 +193,9 @@ class FitRun:
         self._forward(progress["notices"])
         if progress["diverged"] is not None:
             raise TrainingDiverged(progress["diverged"])
-        self._pauses.check(self.version, f"training (epoch {progress['epoch']})")
+        # The liveness check before the progress call has just fetched the workers.
+        self._pauses.check(self.version, f"training (epoch {progress['epoch']})",
+                           self._handle.last_workers)
         if self.progress is not None and progress["records"]["loss"]:
             records = progress["records"]
             self.progress.update(len(records["loss"]))

@@ -315,17 +315,15 @@ class Trainer:
                         self.last_checkpoint = str(run.last_checkpoint)
                     run.close()
         except BaseException as exc:
-            # What was recorded up to the failure stays available, here and on the error.
-            history.wall_time = time.perf_counter() - started
-            self.history = history
+            # What was recorded up to the failure stays available on the error too.
             with contextlib.suppress(AttributeError, TypeError):
                 exc.history = history
             raise
         finally:
+            history.wall_time = time.perf_counter() - started
+            self.history = history
             if bar is not None:
                 bar.close()
-        history.wall_time = time.perf_counter() - started
-        self.history = history
         return history
 
     def _run(self, run: FitRun, client: Client, state: dict[str, Any] | None, start: int,

@@ -54,14 +54,17 @@ class PauseWatch:
         self._since: float | None = None
         self._progress: Any = None
 
-    def check(self, progress: Any, what: str) -> None:
+    def check(self, progress: Any, what: str,
+              workers: dict[str, dict[str, Any]] | None = None) -> None:
         """``progress`` changes when the run moves (the holder's version); ``what`` says
-        what is waiting, for the message."""
+        what is waiting, for the message; ``workers``: the scheduler's worker information if
+        the caller has just fetched it (else it is fetched here)."""
         now = time.monotonic()
         if now - self._checked < self.interval:
             return
         self._checked = now
-        workers = worker_info(self.client)
+        if workers is None:
+            workers = worker_info(self.client)
         stuck = {a: w for a, w in workers.items() if w.get("status") in _STUCK}
         if not stuck or progress != self._progress or self._since is None:
             self._since = now if stuck else None
