@@ -22,6 +22,7 @@ import pytest
 
 import dasktrain as dt
 from dasktrain.trainer import channel as channel_module
+from dasktrain.trainer.arithmetic import Lease
 from dasktrain.trainer.channel import _HELLO, _PUSH, ChannelClient, ChannelServer, PendingPush
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.handle import HolderHandle
@@ -281,9 +282,10 @@ SIZE = 4  # values of the models served by the in-process servers below
 
 
 async def _echo(worker: int, version: int, grads: np.ndarray | None, count: int, loss: float,
-                position: tuple[int, int]) -> tuple[np.ndarray, int]:
+                position: tuple[int, int]) -> Lease:
     """A holder's push that answers with the gradient itself (zeros without one)."""
-    return (np.zeros(SIZE, np.float32) if grads is None else grads.copy()), version + 1
+    return Lease(np.zeros(SIZE, np.float32) if grads is None else grads.copy(), version + 1,
+                 None)
 
 
 @contextlib.contextmanager

@@ -126,7 +126,7 @@ def test_checkpoint_resume_ends_with_the_same_parameters(client, regression, tmp
 
 def test_resume_refuses_another_setup(client, regression, tmp_path):
     _trainer("sync").fit(regression, epochs=1, client=client, checkpoint=tmp_path / "run")
-    with pytest.raises(ValueError, match="workers=2, this trainer workers=3"):
+    with pytest.raises(ValueError, match="made with workers=2, this trainer has workers=3"):
         _trainer("sync", workers=3).fit(regression, epochs=2, client=client,
                                          resume=tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

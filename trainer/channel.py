@@ -67,7 +67,8 @@ _LOST_GRACE = 1.0  # seconds the scheduler has to report a dead holder after a d
 # reset is noticed in about two minutes instead of the system's two hours.
 _KEEPALIVE = (60, 10, 6)
 
-PushFunction = Callable[..., Awaitable[tuple[np.ndarray, int]]]
+# Takes a push, returns the reply under a lease (``.array``, ``.version``, ``.release()``).
+PushFunction = Callable[..., Awaitable[Any]]
 
 
 def _tune(sock: socket.socket) -> None:
@@ -242,18 +243,23 @@ class ChannelServer:
                     await _recv_into(loop, sock, view, idle)
                     grads = payload
                 try:
-                    params, new_version = await self._push(worker, version, grads, count,
-                                                           loss, (epoch, batches))
+                    lease = await self._push(worker, version, grads, count, loss,
+                                             (epoch, batches))
                 except ValueError as exc:
                     await _send_error(loop, sock, idle, _VALUE_ERROR, str(exc))
                     continue
                 except Exception as exc:
                     await _send_error(loop, sock, idle, _TRAINER_ERROR, str(exc))
                     continue
-                out = memoryview(params).cast("B")
-                await _send(loop, sock, idle, _REPLY.pack(_OK, new_version, out.nbytes), out)
-                # Not held while idle: the holder reuses snapshot buffers no one refers to.
-                del params, out
+                out = None
+                try:
+                    out = memoryview(lease.array).cast("B")
+                    await _send(loop, sock, idle, _REPLY.pack(_OK, lease.version, out.nbytes),
+                                out)
+                finally:
+                    # Sent (or failed): the holder may write to that buffer again.
+                    del out
+                    lease.release()
         except (ConnectionError, OSError, TimeoutError):
             pass  # the worker went away (it rejoins through the actor if it comes back)
         except Exception:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "check_policy"]
+import torch
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "all_finite", "check_policy"]
 
 NONFINITE_POLICIES = ("raise", "skip")
 
@@ -76,3 +78,11 @@ class NonFiniteGuard:
         self.in_a_row = int(state.get("in_a_row", 0))
         last = state.get("last_finite")
         self.last_finite = (float(last[0]), int(last[1])) if last else None
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite: one reduction instead of an elementwise mask; a sum
+    that overflows is re-checked."""
+    if math.isfinite(float(values.sum())):
+        return True
+    return bool(torch.isfinite(values).all())

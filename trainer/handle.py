@@ -13,6 +13,7 @@ import numpy as np
 from distributed import Client, get_client, get_worker
 
 from dasktrain._cluster import worker_info
+from dasktrain.trainer.arithmetic import Lease
 from dasktrain.trainer.channel import ChannelClient, PendingPush
 from dasktrain.trainer.errors import HolderLost, TrainerError
 from dasktrain.trainer.flat import FlatLayout
@@ -44,6 +45,7 @@ class HolderHandle:
         # the driver's other checks of the cluster read it instead of asking again.
         self.last_workers: dict[str, dict] | None = None
         self._channel: ChannelClient | None = None
+        self._into: np.ndarray | None = None  # where in-process replies are copied
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             worker = get_worker()
@@ -68,11 +70,13 @@ class HolderHandle:
         """Join the holder as ``worker``; opens the direct channel for pushes if offered,
         whose replies are received into ``into`` when given."""
         info = self.request("join", worker, address, layout, what=f"worker {worker} to join")
+        self._into = into
         contact = info.get("channel")
         if contact is not None and self._local is None:
             self.close()
             try:
-                self._channel = ChannelClient(contact, worker, layout.size, self.timeout,
+                size = layout.size if into is None else len(into)
+                self._channel = ChannelClient(contact, worker, size, self.timeout,
                                               self.holder_alive, into)
             except (OSError, TrainerError) as exc:
                 # A firewall may let Dask's ports through and not this one.
@@ -87,6 +91,9 @@ class HolderHandle:
         parameters (valid until the next push) and their version."""
         if self._channel is not None:
             return self._channel.push(version, payload, count, loss, position)
+        if self._local is not None:
+            # The reply is leased, copied into ``into`` by :meth:`wait` and given back.
+            return self.call("exchange", worker, version, payload, count, loss, position)
         return self.call("push", worker, version, payload, count, loss, position)
 
     def close(self) -> None:
@@ -117,8 +124,9 @@ class HolderHandle:
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             try:
-                return future.result(timeout=min(_SLICE, max(deadline - time.monotonic(),
-                                                             0.01)))
+                result = future.result(timeout=min(_SLICE, max(deadline - time.monotonic(),
+                                                               0.01)))
+                return self._own(result) if isinstance(result, Lease) else result
             except TimeoutError:
                 if not self.holder_alive():
                     raise HolderLost(f"the parameter holder's worker {self.address} died "
@@ -129,6 +137,18 @@ class HolderHandle:
             except OSError as exc:
                 raise HolderLost(f"cannot reach the parameter holder's worker "
                                  f"{self.address}: {exc}") from exc
+
+    def _own(self, lease: Lease) -> tuple[np.ndarray, int]:
+        """Copy a leased reply (in-process pushes) into the receive buffer, and give the
+        lease back at once: the holder may then update in place."""
+        try:
+            into = self._into
+            if into is None or into.shape != lease.array.shape:
+                into = self._into = np.empty_like(lease.array)
+            np.copyto(into, lease.array)
+            return into, lease.version
+        finally:
+            lease.release()
 
     def request(self, method: str, *args: Any, what: str | None = None) -> Any:
         """Call and wait."""

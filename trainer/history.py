@@ -6,7 +6,7 @@ import dataclasses
 import statistics
 from typing import Any
 
-from dasktrain.trainer.update_log import PER_GRADIENT, PER_UPDATE
+from dasktrain.trainer.records import PER_GRADIENT, PER_UPDATE
 
 __all__ = ["History"]
 
@@ -15,14 +15,18 @@ __all__ = ["History"]
 class History:
     """The record of :meth:`Trainer.fit`.
 
-    Per update (one optimizer step on the holder): ``version``, ``loss`` (batch-size weighted
-    over the gradients applied), ``samples``, ``contributors`` (gradients averaged) and
-    ``time``. Per applied gradient: ``staleness`` (holder version at apply time minus the
-    version it was computed on) and ``staleness_worker``. Per epoch: a dict in ``epochs``
-    with wall time, samples/s, data-stall fraction, the workers' mean time waiting for the
-    exchange (``exchange_s``), how they reached the holder (``exchange_via``: counts of
-    ``local``, ``direct``, ``actor``) and validation metrics. ``events`` says what happened
-    to workers (lost, rejoined, refused gradients).
+    Per update (one optimizer step, or one averaging round, on the holder): ``version``,
+    ``loss`` (batch-size weighted over what it applied), ``samples``, ``contributors``
+    (gradients or replicas applied), ``gradients`` (entries recorded for it) and ``time``.
+    Per gradient received: ``staleness`` (holder version at apply time minus the version
+    it was computed on), ``staleness_worker``, ``scale`` (learning-rate factor),
+    ``compensated`` (delay compensation) and ``dropped`` (not applied); fields a mode
+    declares (``ssp``'s ``clock_lead``) are in ``extra`` and read as attributes too.
+    Per epoch: a dict in ``epochs`` with wall time, samples/s, data-stall fraction, the
+    workers' mean time waiting for the exchange (``exchange_s``), how they reached the
+    holder (``exchange_via``: counts of ``local``, ``direct``, ``actor``) and validation
+    metrics. ``events`` says what happened to workers (lost, rejoined, refused
+    gradients).
     """
 
     mode: str = ""
@@ -31,9 +35,14 @@ class History:
     loss: list[float] = dataclasses.field(default_factory=list)
     samples: list[int] = dataclasses.field(default_factory=list)
     contributors: list[int] = dataclasses.field(default_factory=list)
+    gradients: list[int] = dataclasses.field(default_factory=list)
     time: list[float] = dataclasses.field(default_factory=list)
     staleness: list[int] = dataclasses.field(default_factory=list)
     staleness_worker: list[int] = dataclasses.field(default_factory=list)
+    scale: list[float] = dataclasses.field(default_factory=list)
+    compensated: list[bool] = dataclasses.field(default_factory=list)
+    dropped: list[bool] = dataclasses.field(default_factory=list)
+    extra: dict[str, list] = dataclasses.field(default_factory=dict)
     epochs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     events: list[str] = dataclasses.field(default_factory=list)
     refused_gradients: int = 0
@@ -42,11 +51,27 @@ class History:
     def extend(self, records: dict[str, list]) -> None:
         """Append a batch of the holder's update records."""
         for name, values in records.items():
-            getattr(self, name).extend(values)
+            if name in _OWN:
+                getattr(self, name).extend(values)
+            else:
+                self.extra.setdefault(name, []).extend(values)
+
+    def __getattr__(self, name: str) -> list:
+        # Only reached for names that are not fields: a mode's declared record fields.
+        try:
+            return object.__getattribute__(self, "extra")[name]
+        except KeyError:
+            raise AttributeError(f"History has no field {name!r}") from None
 
     def records(self) -> dict[str, list]:
         """The per-update and per-gradient lists, by name (as the holder reports them)."""
-        return {name: list(getattr(self, name)) for name in (*PER_UPDATE, *PER_GRADIENT)}
+        own = {name: list(getattr(self, name)) for name in (*PER_UPDATE, *PER_GRADIENT)}
+        return {**own, **{name: list(values) for name, values in self.extra.items()}}
+
+    @property
+    def applied_staleness(self) -> list[int]:
+        """Staleness of the gradients applied (dropped ones left out)."""
+        return [s for s, d in zip(self.staleness, self.dropped, strict=False) if not d]
 
     @property
     def updates(self) -> int:
@@ -59,14 +84,17 @@ class History:
     def summary(self) -> dict[str, Any]:
         """Headline figures."""
         last = self.epochs[-1] if self.epochs else {}
+        applied = self.applied_staleness
         return {
             "mode": self.mode,
             "workers": self.workers,
             "updates": self.updates,
             "final_loss": self.loss[-1] if self.loss else None,
             "samples_per_s": self.samples_per_second,
-            "mean_staleness": statistics.fmean(self.staleness) if self.staleness else 0.0,
-            "max_staleness": max(self.staleness, default=0),
+            "mean_staleness": statistics.fmean(applied) if applied else 0.0,
+            "max_staleness": max(applied, default=0),
+            "dropped_gradients": sum(self.dropped),
+            "compensated_gradients": sum(self.compensated),
             "data_stall": last.get("stall"),
             "refused_gradients": self.refused_gradients,
             "wall_time_s": self.wall_time,
@@ -81,6 +109,7 @@ class History:
         if not per_update:
             for name in (*PER_UPDATE, *PER_GRADIENT):
                 del values[name]
+            values["extra"] = {}
         return values
 
     @classmethod
@@ -101,3 +130,6 @@ class History:
         ax.set_ylabel("training loss")
         ax.set_title(f"{self.mode}, {self.workers} worker(s)")
         return ax
+
+
+_OWN = frozenset(f.name for f in dataclasses.fields(History))

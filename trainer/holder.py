@@ -1,52 +1,46 @@
-"""The central parameter holder: a Dask actor that owns the master parameters.
+"""The central parameter holder: a Dask actor that hosts an update mode.
 
-It keeps the parameters as one flat float32 buffer (plus the model's floating-point buffers),
-the optimizer and its state, a version counter, a clock per worker and each worker's place
-in the epoch. Workers ``push`` gradients and get fresh parameters back; *when* a push is
-applied is the update mode's business (:mod:`dasktrain.trainer.modes`).
+It owns the master parameters (:mod:`.arithmetic`), knows its workers
+(:mod:`.membership`), records what it applies (:mod:`.records`) and serves the wire (the
+actor's calls and the direct channel, :mod:`.channel`). *When* and *what* it applies is the
+update mode's business (:mod:`dasktrain.trainer.modes`), which sees it through the small
+host interface documented in :mod:`dasktrain.trainer.modes.base`.
 
-Threading: every public method is ``async`` and runs on the holder worker's event loop, so
-barriers are plain asyncio futures. The arithmetic of models over 1M values (4 MB) runs on
-one private thread, in order, so the event loop (heartbeats, transfers) never waits on it;
-that of smaller ones runs on the loop itself, where it takes less time (under 1 ms at 1 MB)
-than the hand-off to a thread would add. Either way updates, snapshots and checkpoints run in
-one place and never interleave.
+Every public method is ``async`` and runs on the holder worker's event loop, so barriers are
+plain asyncio futures; the arithmetic runs in the serial section of :mod:`.arithmetic`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import copy
 import dataclasses
 import logging
 import math
-import sys
-import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from distributed import get_worker
 
+from dasktrain.trainer.arithmetic import Arithmetic, Lease, as_tensor
 from dasktrain.trainer.channel import ChannelServer, channel_host
-from dasktrain.trainer.divergence import NonFiniteGuard, check_policy
+from dasktrain.trainer.divergence import NonFiniteGuard, all_finite, check_policy
 from dasktrain.trainer.errors import TrainerError, TrainingDiverged
 from dasktrain.trainer.flat import FlatLayout, FlatModel
+from dasktrain.trainer.membership import Membership, Watchdog
 from dasktrain.trainer.modes import Contribution, get_mode, mode_class
+from dasktrain.trainer.modes.base import Adjust, Adjusted
 from dasktrain.trainer.optim import OptimizerConfig
+from dasktrain.trainer.records import Records
 
 __all__ = ["HolderConfig", "ParameterHolder"]
 
 logger = logging.getLogger(__name__)
 
 ModelFactory = Callable[[], torch.nn.Module]
-_INLINE_SIZE = 1 << 20  # payload elements up to which updates run on the event loop
-# References to a spare snapshot buffer held by the holder itself (the list, the loop
-# variable, getrefcount's argument): more means it is still being sent somewhere.
-_SPARE_REFS = 3
+
+
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -86,35 +80,14 @@ class HolderConfig:
             raise TypeError("model must be a callable returning a torch.nn.Module")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
-        mode_class(self.mode)  # unknown names fail here, before any cluster work
+        mode_class(self.mode)(None, **self.mode_options)  # fails here, before any cluster work
         if self.barrier_timeout <= 0 or self.check_interval <= 0:
             raise ValueError("barrier_timeout and check_interval must be positive")
         check_policy(self.on_nonfinite, self.nonfinite_patience)
 
 
-@dataclasses.dataclass(slots=True)
-class _Member:
-    state: str = "expected"
-    address: str | None = None
-    waiting_since: float | None = None
-
-
-def _all_finite(values: torch.Tensor) -> bool:
-    # One reduction instead of an elementwise mask; a sum that overflows is re-checked.
-    if math.isfinite(float(values.sum())):
-        return True
-    return bool(torch.isfinite(values).all())
-
-
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    with warnings.catch_warnings():
-        # Received buffers may be read-only; they are only ever read here.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
-
-
 class ParameterHolder:
-    """The master copy of the parameters, updated by the workers' gradients.
+    """The master copy of the parameters, updated as its update mode says.
 
     Create it as a Dask actor: ``client.submit(ParameterHolder, config, actor=True)``. Every
     method returns (on the caller's side) a future.
@@ -133,49 +106,128 @@ class ParameterHolder:
                             "torch.nn.Module")
         flat = FlatModel(model)
         self.layout: FlatLayout = flat.layout
-        n = self.layout.num_params
-        # One flat master buffer, parameters then buffers: in lock-step modes it is itself
-        # the snapshot sent to the workers (no copy per update).
-        self._flat = torch.from_numpy(flat.state())
-        self._param = torch.nn.Parameter(self._flat[:n])
-        self._buffers = self._flat[n:]
-        self._average_buffer = torch.empty(self.layout.size, dtype=torch.float32)
-        self._spare: list[np.ndarray] = []  # snapshot buffers of the other modes
-        self._optimizer = config.optimizer.build([self._param],
-                                                 segments=self.layout.param_segments())
-        self.version = 0
-        self.updates = 0
-        self.epoch = 0
+        self.workers = config.workers
+        self.optimizer = config.optimizer
+        self._arith = Arithmetic(self.layout, flat.state(), config.optimizer,
+                                 config.total_steps)
+        self._version = 0
+        self._epoch = 0
         self._epoch_start = 0
-        self._members = {w: _Member() for w in range(config.workers)}
-        self._positions: dict[int, tuple[int, int]] = {}
-        self._clocks = [0] * config.workers
         self.refused = 0
+        self._members = Membership(config.workers)
         self._guard = NonFiniteGuard(config.on_nonfinite, config.nonfinite_patience,
                                      config.workers)
         self._diverged: str | None = None  # set by an update; the run is then aborted
-        self._records: dict[str, list] = _empty_records()
         self._events: list[str] = []
         self._notices: list[dict[str, Any]] = []  # workers' warnings, for the driver
+        mode_type = mode_class(config.mode)
+        self._payload_size = mode_type.payload_size(self.layout, config.optimizer,
+                                                    config.mode_options)
+        self._records = Records(mode_type.gradient_fields)
         self._mode = get_mode(config.mode, self, **config.mode_options)
-        self._snapshot = self._make_snapshot()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="dasktrain-holder")
+        self._watchdog = Watchdog(self._members, self._mode.waiting_for, self.drop,
+                                  self._alive_addresses, interval=config.check_interval,
+                                  timeout=config.barrier_timeout)
         self._error: BaseException | None = None
         self._state_waiters: list[tuple[int, asyncio.Future]] = []
-        self._watchdog: asyncio.Task | None = None
         self._channel: ChannelServer | None = None
         self._channel_failed = False
         self._closed = False
 
-    # -- membership --------------------------------------------------------------------
-    def expected_workers(self) -> set[int]:
-        """Workers an update of a lock-step mode waits for."""
-        return {w for w, m in self._members.items() if m.state in ("expected", "active")}
+    # -- the host interface (see dasktrain.trainer.modes.base) --------------------------
+    @property
+    def version(self) -> int:
+        """Updates applied (the version of the current parameters)."""
+        return self._version
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def epoch_start(self) -> int:
+        """The version at which the current epoch began."""
+        return self._epoch_start
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps taken (the schedule's step)."""
+        return self._arith.updates
+
+    @property
+    def clocks(self) -> Sequence[int]:
+        """Contributions taken from each worker in the whole run."""
+        return tuple(self._members.clocks)
+
+    @property
+    def parameters(self) -> torch.Tensor:
+        """The current parameters (a view; read it in the serial section)."""
+        return self._arith.parameters
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The current parameters then buffers (a view; read it in the serial section)."""
+        return self._arith.flat
+
+    def batches_taken(self, worker: int) -> int:
+        """Batches of the current epoch taken from ``worker`` so far."""
+        return self._members.position_in(worker, self._epoch)
+
+    def live_workers(self) -> set[int]:
+        """Workers still to push this epoch (not finished, not lost)."""
+        return self._members.live()
 
     def record_event(self, text: str) -> None:
         logger.info("holder: %s", text)
-        self._events.append(f"v{self.version}: {text}")
+        self._events.append(f"v{self._version}: {text}")
+
+    async def serially(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in order with every update, snapshot and restore."""
+        return await self._arith.serially(fn, *args)
+
+    async def apply(self, contributions: Sequence[Contribution], *,
+                    adjust: Adjust | None = None, advance: bool = False) -> None:
+        """Apply the batch-size-weighted mean of ``contributions`` as one optimizer step.
+
+        ``adjust(contributions)`` runs in the serial section just before the step (so
+        ``version`` and ``parameters`` are those the step starts from) and may return
+        other payloads (delay-compensated gradients), weights, a learning-rate scale and
+        each gradient's record fields: see :class:`Adjusted`. Contributions without a
+        batch count for nothing; non-finite ones are refused. ``advance``: the version
+        moves on even if nothing was applied (lock-step rounds).
+        """
+        # Worker order, not arrival order: the same sums on every run.
+        ordered = sorted(contributions, key=lambda c: c.worker)
+        await self.serially(self._apply, ordered, adjust, advance)
+        await self._after_update()
+
+    async def set_state(self, contributions: Sequence[Contribution],
+                        values: torch.Tensor | None) -> None:
+        """Make ``values`` (parameters then buffers) the current state: one update made of
+        ``contributions`` (parameter averaging); None keeps the state and only moves the
+        version on (a round in which no worker had a batch)."""
+        await self.serially(self._set_state, list(contributions), values)
+        await self._after_update()
+
+    def hold(self, contribution: Contribution) -> None:
+        """Count ``contribution`` as taken although a mode keeps it for a later update (in
+        the serial section, and in the mode's checkpointed state): a resumed worker goes
+        on after its batch."""
+        if not contribution.held:
+            contribution.held = True
+            self._members.counted(contribution.worker, contribution.position)
+
+    def drop_gradient(self, contribution: Contribution, reason: str, **fields: Any) -> None:
+        """Record ``contribution`` as received and not applied (``reason`` is logged)."""
+        logger.debug("holder: worker %d's gradient dropped: %s", contribution.worker, reason)
+        self.hold(contribution)
+        self._records.gradient(staleness=self._version - contribution.version,
+                               worker=contribution.worker, dropped=True, **fields)
+
+    # -- membership --------------------------------------------------------------------
+    def expected_workers(self) -> set[int]:
+        """Workers a lock-step update waits for."""
+        return self._members.live()
 
     def _check_usable(self) -> None:
         if self._error is not None:
@@ -183,43 +235,36 @@ class ParameterHolder:
         if self._closed:
             raise TrainerError("the parameter holder is closed")
 
-    def _member(self, worker: int) -> _Member:
-        if worker not in self._members:
-            raise ValueError(f"unknown worker {worker!r}: this holder serves workers "
-                             f"0..{self.config.workers - 1}")
-        return self._members[worker]
-
-    def _position_of(self, worker: int) -> int:
-        if self._mode.lockstep:
-            return self.version - self._epoch_start
-        epoch, position = self._positions.get(worker, (self.epoch, 0))
-        return position if epoch == self.epoch else 0
-
     async def begin_epoch(self, epoch: int, fresh: bool = True) -> None:
         """Expect every worker for ``epoch`` (``fresh=False``: continue a resumed epoch)."""
         self._check_usable()
         if fresh:
-            self.epoch, self._epoch_start = epoch, self.version
-        for member in self._members.values():
-            member.state, member.address, member.waiting_since = "expected", None, None
+            self._epoch, self._epoch_start = epoch, self._version
+        self._members.begin_epoch()
 
     async def join(self, worker: int, address: str | None, layout: FlatLayout
                    ) -> dict[str, Any]:
         """A worker (re)starts: check its model, hand it the parameters and its position."""
         self._check_usable()
-        member = self._member(worker)
+        self._members.check(worker)
         if layout != self.layout:
             raise ValueError(f"worker {worker}'s model does not match the holder's "
                              f"({self.layout.describe_difference(layout)}): every worker "
                              "must build the same model")
-        if member.state in ("active", "lost"):
+        before = self._members.set(worker, "active", address)
+        if before in ("active", "lost"):
             self.record_event(f"worker {worker} rejoined on {address}")
-        member.state, member.address, member.waiting_since = "active", address, None
-        self._ensure_watchdog()
-        params, version = self._snapshot
+        self._watchdog.ensure_running()
+        self._mode.joined(worker)
+        lease = await self.serially(self._reply, worker)
+        try:
+            params = lease.array.copy()  # goes out through the actor: its own copy
+        finally:
+            lease.release()
         local = self._worker is not None and address == self._worker.address
-        return {"params": params, "version": version, "epoch": self.epoch,
-                "position": self._position_of(worker),
+        recorded = self._members.position_in(worker, self._epoch)
+        return {"params": params, "version": lease.version, "epoch": self._epoch,
+                "position": self._mode.start_position(worker, recorded),
                 "channel": None if local else await self._channel_contact(worker)}
 
     async def _channel_contact(self, worker: int) -> dict[str, Any] | None:
@@ -231,7 +276,7 @@ class ParameterHolder:
             host = channel_host(self._worker.address)
             if host is None:
                 return None
-            channel = ChannelServer(self.push, self.layout.size)
+            channel = ChannelServer(self.exchange, self._payload_size)
             try:
                 await channel.start(host)
             except OSError as exc:
@@ -244,63 +289,220 @@ class ParameterHolder:
 
     async def leave(self, worker: int) -> None:
         """A worker finished its part of the epoch."""
-        self._member(worker).state = "done"
-        await self._mode.membership_changed()
+        self._members.set(worker, "done")
+        await self._mode.left(worker)
 
     async def drop(self, worker: int, reason: str) -> None:
-        """Stop waiting for ``worker`` (it rejoins with :meth:`join`)."""
-        member = self._member(worker)
-        if member.state in ("done", "lost"):
+        """Stop waiting for ``worker`` (it rejoins with :meth:`join`); the watchdog and the
+        driver call this."""
+        if self._members.state(worker) in ("done", "lost"):
             return
-        member.state = "lost"
+        self._members.set(worker, "lost")
         self.record_event(f"worker {worker} dropped: {reason}")
-        await self._mode.membership_changed()
+        await self._mode.lost(worker)
 
     async def notify(self, worker: int, notices: list[dict[str, str]]) -> None:
         """Warnings a worker saw (see :mod:`dasktrain.trainer.notices`), for the driver."""
-        self._member(worker)
+        self._members.check(worker)
         self._notices.extend({**n, "worker": worker} for n in notices)
 
     # -- the exchange ------------------------------------------------------------------
-    async def push(self, worker: int, version: int, grads: np.ndarray | None, count: int,
-                   loss: float, position: tuple[int, int]) -> tuple[np.ndarray, int]:
-        """Hand in the gradient of one batch; returns fresh parameters and their version.
+    async def exchange(self, worker: int, version: int, grads: np.ndarray | None,
+                       count: int, loss: float, position: tuple[int, int]) -> Lease:
+        """Hand in one push; returns the reply under a lease the caller releases once it
+        has sent (or copied) it.
 
-        ``grads`` is the payload (gradients, then buffers) computed at ``version``; None
-        says "no batch this step" in lock-step modes. ``count`` is the batch size, the
-        gradient's weight in an average.
+        ``grads`` is the payload computed at ``version`` (gradients then buffers, or
+        parameters in averaging modes); None says "no batch this step" in lock-step
+        modes. ``count`` is the batch size, the weight in an average.
         """
         self._check_usable()
-        member = self._member(worker)
+        self._members.check(worker)
         if grads is not None and (grads.dtype != np.float32
-                                  or grads.shape != (self.layout.size,)):
+                                  or grads.shape != (self._payload_size,)):
             raise ValueError(
-                f"worker {worker} pushed {grads.size} {grads.dtype} values; the holder's "
-                f"model takes {self.layout.size} float32 ({self.layout.num_params} "
-                f"parameters + {self.layout.num_buffers} buffer values): the worker's "
-                "model differs from the holder's")
-        if member.state != "active":
-            self.record_event(f"worker {worker} came back (was {member.state})")
-            member.state = "active"
-        await self._mode.push(Contribution(worker, version, grads, count, loss,
-                                           tuple(position)))
-        return self._snapshot
+                f"worker {worker} pushed {grads.size} {grads.dtype} values; the holder "
+                f"takes {self._payload_size} float32 ({self.layout.num_params} parameters "
+                f"+ {self.layout.num_buffers} buffer values"
+                f"{' + optimizer state' if self._payload_size > self.layout.size else ''})"
+                ": the worker's model differs from the holder's")
+        state = self._members.state(worker)
+        if state != "active":
+            self.record_event(f"worker {worker} came back (was {state})")
+            self._members.set(worker, "active")
+            self._mode.joined(worker)
+        if self._arith.threaded:
+            # Let an update in flight finish first: its version bump decides whether this
+            # push is on time, and no push may slip in between its check and the bump.
+            await self.serially(_nothing)
+        contribution = Contribution(worker, version, grads, count, loss, tuple(position),
+                                    clock=self._members.clocks[worker])
+        await self._mode.push(contribution)
+        return await self.serially(self._reply, worker)
+
+    async def push(self, worker: int, version: int, grads: np.ndarray | None, count: int,
+                   loss: float, position: tuple[int, int]) -> tuple[np.ndarray, int]:
+        """:meth:`exchange` through the actor's calls: returns fresh parameters (a copy
+        that the reply may send at leisure) and their version."""
+        lease = await self.exchange(worker, version, grads, count, loss, position)
+        try:
+            return lease.array.copy(), lease.version
+        finally:
+            lease.release()
+
+    def _reply(self, worker: int) -> Lease:
+        custom = self._mode.reply(worker)
+        self._mode.sent(worker)
+        if custom is not None:
+            return Lease(custom, self._version, None)
+        return self._arith.lease(self._version)
 
     async def pull(self) -> tuple[np.ndarray, int]:
         """The current parameters (then buffers) and their version (a copy)."""
-        params, version = self._snapshot
-        return params.copy(), version
+        return await self.serially(self._pull)
 
-    async def apply(self, contributions: list[Contribution]) -> None:
-        """Apply the (weighted) average of ``contributions`` as one optimizer step."""
-        await self._serially(self._apply, contributions)
+    def _pull(self) -> tuple[np.ndarray, int]:
+        return self._arith.flat.numpy().copy(), self._version
+
+    # -- updates (serial section) ------------------------------------------------------
+    def _apply(self, contributions: list[Contribution], adjust: Adjust | None,
+               advance: bool) -> None:
+        for c in contributions:  # taken with the update: a checkpoint sees both or neither
+            self.hold(c)
+        with_batch = [c for c in contributions if c.grads is not None and c.count > 0]
+        adjusted = adjust(with_batch) if adjust is not None and with_batch else None
+        lr_scale = adjusted.lr_scale if adjusted is not None else 1.0
+        batch = _items(with_batch, adjusted)
+        used = batch
+        refusals = [(c, f"worker {c.worker}: non-finite batch loss ({c.loss})")
+                    for c, *_ in used if not math.isfinite(c.loss)]
+        used = [item for item in used if math.isfinite(item[0].loss)]
+        grad = self._arith.average([p for _, p, _, _ in used], [w for _, _, w, _ in used])
+        if grad is not None and not all_finite(grad):
+            # Rare: find the culprits (one check each) and average the rest.
+            bad = {id(item) for item in used if not all_finite(as_tensor(item[1]))}
+            refusals += [(item[0], f"worker {item[0].worker}: non-finite gradient")
+                         for item in used if id(item) in bad]
+            used = [item for item in used if id(item) not in bad]
+            grad = self._arith.average([p for _, p, _, _ in used],
+                                       [w for _, _, w, _ in used], overflow_safe=True)
+            if grad is not None and not all_finite(grad):
+                # Finite payloads whose mean is not (values at the float32 limit).
+                refusals += [(item[0], f"worker {item[0].worker}: gradient whose average "
+                                       "with the others overflows float32") for item in used]
+                used, grad = [], None
+        for contribution, reason in refusals:
+            self.refused += 1
+            self.record_event(f"{reason}, refused")
+            self.drop_gradient(contribution, reason)
+            # Updates are counted from 1 in messages: this would have been the next one.
+            stop = self._guard.refused(reason, self._arith.updates + 1,
+                                       self._arith.lr(lr_scale))
+            if stop is not None:
+                self._diverged = stop  # nothing of this round is applied
+                return
+        if grad is not None:
+            self._arith.step(grad, lr_scale)
+        for contribution, _, _, extra in used:
+            self._records.gradient(staleness=self._version - contribution.version,
+                                   worker=contribution.worker, **extra)
+        if used or advance:
+            self._version += 1
+        if used:
+            self._record_update([c for c, *_ in used])
+
+    def _set_state(self, contributions: list[Contribution], values: torch.Tensor | None
+                   ) -> None:
+        for c in contributions:
+            self.hold(c)
+        used = [c for c in contributions if c.count > 0]
+        if values is None:
+            self._version += 1
+            return
+        if not all_finite(values):
+            reason = "the average of the workers' parameters is not finite"
+            stop = self._guard.refused(reason, self._arith.updates + 1, self._arith.lr())
+            self._diverged = stop or reason
+            return
+        self._arith.set_state(values)
+        for c in used:
+            self._records.gradient(staleness=self._version - c.version, worker=c.worker)
+        self._version += 1
+        if used:
+            self._record_update(used)
+
+    def _record_update(self, used: list[Contribution]) -> None:
+        total = sum(c.count for c in used)
+        loss = sum(c.loss * c.count for c in used) / total
+        self._guard.applied(loss, self._arith.updates)
+        self._records.update(version=self._version, loss=loss, samples=total,
+                             contributors=len(used))
+
+    async def _after_update(self) -> None:
         if self._diverged is not None:
             error = TrainingDiverged(self._diverged)
             self.record_event(self._diverged)
             await self._fail(error)
             raise error
-        if self._state_waiters and self.version >= min(v for v, _ in self._state_waiters):
+        if self._state_waiters and self._version >= min(v for v, _ in self._state_waiters):
             await self._serve_state_waiters()
+
+    # -- liveness ----------------------------------------------------------------------
+    async def _alive_addresses(self) -> set[str] | None:
+        if self._worker is None:
+            return None
+        try:
+            info = await asyncio.wait_for(self._worker.scheduler.identity(n_workers=-1), 10)
+        except Exception:  # the scheduler is slow or away: check again next time
+            return None
+        return set(info.get("workers", {}))
+
+    # -- reports, checkpoints, shutdown ------------------------------------------------
+    async def progress(self) -> dict[str, Any]:
+        """Counters for a progress display; ``records`` and ``events`` since the last call."""
+        return await self.serially(self._progress)
+
+    def _progress(self) -> dict[str, Any]:
+        events, self._events = self._events, []
+        notices, self._notices = self._notices, []
+        return {"version": self._version, "updates": self._arith.updates,
+                "epoch": self._epoch, "refused": self.refused,
+                "clocks": list(self._members.clocks), "diverged": self._diverged,
+                "members": self._members.states(),
+                "waiting_for": sorted(self._mode.waiting_for()),
+                "records": self._records.take(), "events": events, "notices": notices}
+
+    async def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue: parameters, optimizer state, version, clocks,
+        every worker's position and the mode's state. Taken between two updates, so it is
+        consistent."""
+        return await self.serially(self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            **self._arith.state_dict(),
+            **self._members.state_dict(),
+            "version": self._version,
+            "epoch": self._epoch,
+            "epoch_start": self._epoch_start,
+            "total_steps": self.config.total_steps,
+            "refused": self.refused,
+            "nonfinite": self._guard.state_dict(),
+            "layout": self.layout.fingerprint,
+            "mode": self.config.mode,
+            "mode_state": self._mode.state_dict(),
+        }
+
+    async def state_at(self, version: int) -> dict[str, Any]:
+        """A :meth:`state_dict` taken as soon as an update brings the holder to ``version``
+        (or now, if it is there already): checkpoints at exact update counts, however
+        seldom the caller looks."""
+        self._check_usable()
+        if self._version >= version:
+            return await self.state_dict()
+        future = asyncio.get_running_loop().create_future()
+        self._state_waiters.append((version, future))
+        return await future
 
     async def _serve_state_waiters(self) -> None:
         # Taken before the (possibly threaded) copy, so that an update finishing meanwhile
@@ -314,213 +516,6 @@ class ParameterHolder:
                 future.set_result(state)
             else:
                 self._state_waiters.append((version, future))
-
-    async def _serially(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` in order with every other update, snapshot and restore.
-
-        Small models run on the event loop (the arithmetic takes less than a thread
-        hand-off would), large ones on the one private thread; either way one place, so a
-        state_dict never reads parameters half-way through a step."""
-        if self.layout.size <= _INLINE_SIZE:
-            return fn(*args)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
-
-    def _apply(self, contributions: list[Contribution]) -> None:
-        # Worker order, not arrival order: the same sums on every run.
-        contributions = sorted(contributions, key=lambda c: c.worker)
-        used = [c for c in contributions if c.grads is not None and c.count > 0]
-        refusals = [f"worker {c.worker}: non-finite batch loss ({c.loss})" for c in used
-                    if not math.isfinite(c.loss)]
-        used = [c for c in used if math.isfinite(c.loss)]
-        grad = self._average(used)
-        if grad is not None and not _all_finite(grad):
-            # Rare: find the culprits (one check each) and average the rest.
-            checked = [(c, _all_finite(_tensor(c.grads))) for c in used]
-            refusals += [f"worker {c.worker}: non-finite gradient"
-                         for c, finite in checked if not finite]
-            used = [c for c, finite in checked if finite]
-            grad = self._average(used, overflow_safe=True)
-            if grad is not None and not _all_finite(grad):
-                # Finite payloads whose mean is not (values at the float32 limit).
-                refusals += [f"worker {c.worker}: gradient whose average with the "
-                             "others overflows float32" for c in used]
-                used, grad = [], None
-        for reason in refusals:
-            self.refused += 1
-            self.record_event(f"{reason}, refused")
-            # Updates are counted from 1 in messages: this would have been the next one.
-            stop = self._guard.refused(reason, self.updates + 1,
-                                       self.config.optimizer.lr_at(self.updates,
-                                                                   self.config.total_steps))
-            if stop is not None:
-                self._diverged = stop  # nothing of this round is applied
-                return
-        total = sum(c.count for c in used)
-        if grad is not None:
-            self._step(grad)
-        records = self._records
-        for c in used:
-            records["staleness"].append(self.version - c.version)
-            records["staleness_worker"].append(c.worker)
-        for c in contributions:
-            self._clocks[c.worker] += 1
-            self._positions[c.worker] = c.position
-        if used or self._mode.lockstep:
-            self.version += 1
-            self._snapshot = self._make_snapshot()
-        if used:
-            loss = sum(c.loss * c.count for c in used) / total
-            self._guard.applied(loss, self.updates)
-            records["version"].append(self.version)
-            records["time"].append(time.time())
-            records["loss"].append(loss)
-            records["samples"].append(total)
-            records["contributors"].append(len(used))
-
-    def _average(self, used: list[Contribution], overflow_safe: bool = False
-                 ) -> torch.Tensor | None:
-        """Batch-size-weighted mean of the payloads (gradients, then buffers).
-
-        ``overflow_safe``: as a weighted sum, which stays finite for finite payloads (the
-        running mean takes differences, which overflow near the float32 limit)."""
-        if not used:
-            return None
-        if len(used) == 1:
-            return _tensor(used[0].grads)
-        if overflow_safe:
-            total = sum(c.count for c in used)
-            out = self._average_buffer
-            torch.mul(_tensor(used[0].grads), used[0].count / total, out=out)
-            for c in used[1:]:
-                out.add_(_tensor(c.grads), alpha=c.count / total)
-            return out
-        # A running weighted mean, one pass per further payload: after each step ``out``
-        # is the mean of the payloads so far (lerp: out + w * (g - out)).
-        out = self._average_buffer
-        first, second = used[0], used[1]
-        seen = first.count + second.count
-        torch.lerp(_tensor(first.grads), _tensor(second.grads), second.count / seen, out=out)
-        for c in used[2:]:
-            seen += c.count
-            out.lerp_(_tensor(c.grads), c.count / seen)
-        return out
-
-    def _step(self, average: torch.Tensor) -> None:
-        n = self.layout.num_params
-        self._param.grad = average[:n]
-        lr = self.config.optimizer.lr_at(self.updates, self.config.total_steps)
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-        self._optimizer.step()
-        self._param.grad = None
-        self.updates += 1
-        if self.layout.num_buffers:
-            # Buffers (batch-norm statistics...) are averaged like the gradients.
-            self._buffers.copy_(average[n:])
-
-    def _make_snapshot(self) -> tuple[np.ndarray, int]:
-        if self._mode.lockstep:
-            # Safe without a copy: every worker has loaded (or received) this snapshot
-            # before it can push for the next version, and pull() copies.
-            return self._flat.numpy(), self.version
-        # Other modes update while earlier snapshots may still be on their way: take a
-        # buffer no one else holds any more (fresh allocations cost page faults).
-        for array in self._spare:
-            if sys.getrefcount(array) <= _SPARE_REFS:
-                break
-        else:
-            array = np.empty(self.layout.size, dtype=np.float32)
-            self._spare = [array, *self._spare[:3]]
-        np.copyto(array, self._flat.numpy())
-        return array, self.version
-
-    # -- liveness ----------------------------------------------------------------------
-    def _ensure_watchdog(self) -> None:
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        """Drop workers an update waits for whose process died or that stay silent for
-        ``barrier_timeout``: a barrier never waits on the dead."""
-        while not self._closed and self._error is None:
-            await asyncio.sleep(self.config.check_interval)
-            waiting = self._mode.waiting_for()
-            now = time.monotonic()
-            for w, member in self._members.items():
-                if w not in waiting:
-                    member.waiting_since = None
-                elif member.waiting_since is None:
-                    member.waiting_since = now
-            if not waiting:
-                continue
-            alive = await self._alive_addresses()
-            for w in sorted(waiting):
-                member = self._members[w]
-                if alive is not None and member.address is not None \
-                        and member.address not in alive:
-                    await self.drop(w, f"its Dask worker {member.address} is gone")
-                elif now - (member.waiting_since or now) > self.config.barrier_timeout:
-                    await self.drop(w, f"nothing for {self.config.barrier_timeout:.0f}s")
-
-    async def _alive_addresses(self) -> set[str] | None:
-        if self._worker is None:
-            return None
-        try:
-            info = await asyncio.wait_for(self._worker.scheduler.identity(n_workers=-1), 10)
-        except Exception:  # the scheduler is slow or away: check again next time
-            return None
-        return set(info.get("workers", {}))
-
-    # -- reports, checkpoints, shutdown ------------------------------------------------
-    async def progress(self) -> dict[str, Any]:
-        """Counters for a progress display; ``records`` and ``events`` since the last call."""
-        return await self._serially(self._progress)
-
-    def _progress(self) -> dict[str, Any]:
-        records, self._records = self._records, _empty_records()
-        events, self._events = self._events, []
-        notices, self._notices = self._notices, []
-        return {"version": self.version, "updates": self.updates, "epoch": self.epoch,
-                "refused": self.refused, "clocks": list(self._clocks),
-                "diverged": self._diverged,
-                "members": {w: m.state for w, m in self._members.items()},
-                "waiting_for": sorted(self._mode.waiting_for()),
-                "records": records, "events": events, "notices": notices}
-
-    async def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue: parameters, optimizer state, version, clocks and
-        every worker's position. Taken between two updates, so it is consistent."""
-        return await self._serially(self._state_dict)
-
-    def _state_dict(self) -> dict[str, Any]:
-        return {
-            "params": self._param.detach().clone(),
-            "buffers": self._buffers.clone(),
-            "optimizer": copy.deepcopy(self._optimizer.state_dict()),
-            "version": self.version,
-            "updates": self.updates,
-            "epoch": self.epoch,
-            "epoch_start": self._epoch_start,
-            "clocks": list(self._clocks),
-            "positions": {w: list(p) for w, p in self._positions.items()},
-            "refused": self.refused,
-            "nonfinite": self._guard.state_dict(),
-            "layout": self.layout.fingerprint,
-            "mode": self.config.mode,
-            "mode_state": self._mode.state_dict(),
-        }
-
-    async def state_at(self, version: int) -> dict[str, Any]:
-        """A :meth:`state_dict` taken as soon as an update brings the holder to ``version``
-        (or now, if it is there already): checkpoints at exact update counts, however
-        seldom the caller looks."""
-        self._check_usable()
-        if self.version >= version:
-            return await self.state_dict()
-        future = asyncio.get_running_loop().create_future()
-        self._state_waiters.append((version, future))
-        return await future
 
     def _fail_state_waiters(self, error: BaseException) -> None:
         waiting, self._state_waiters = self._state_waiters, []
@@ -536,25 +531,16 @@ class ParameterHolder:
         if state["mode"] != self.config.mode:
             raise ValueError(f"the checkpoint was made in mode {state['mode']!r}, not "
                              f"{self.config.mode!r}")
-        if len(state["clocks"]) != self.config.workers:
-            raise ValueError(f"the checkpoint has {len(state['clocks'])} workers, this run "
-                             f"{self.config.workers}")
-        await self._serially(self._load_state_dict, state)
+        self._members.load_state_dict(state)  # checks the number of workers first
+        await self.serially(self._load_state_dict, state)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self._flat[: self.layout.num_params].copy_(state["params"])
-            self._buffers.copy_(state["buffers"])
-        self._optimizer.load_state_dict(state["optimizer"])
-        self.version, self.updates = int(state["version"]), int(state["updates"])
-        self.epoch, self._epoch_start = int(state["epoch"]), int(state["epoch_start"])
-        self._clocks = [int(c) for c in state["clocks"]]
-        self._positions = {int(w): (int(p[0]), int(p[1]))
-                           for w, p in state["positions"].items()}
+        self._arith.load_state_dict(state)
+        self._version = int(state["version"])
+        self._epoch, self._epoch_start = int(state["epoch"]), int(state["epoch_start"])
         self.refused = int(state["refused"])
         self._guard.load_state_dict(state.get("nonfinite", {}))
         self._mode.load_state_dict(state["mode_state"])
-        self._snapshot = self._make_snapshot()
 
     async def abort(self, reason: str) -> None:
         """Fail every waiting and future call with ``reason`` (the run is over)."""
@@ -563,22 +549,36 @@ class ParameterHolder:
     async def _fail(self, error: TrainerError) -> None:
         if self._error is None:
             self._error = error
+            self._watchdog.stop()
             self._mode.abort(error)
             self._fail_state_waiters(error)
 
     async def close(self) -> None:
-        """Stop the watchdog and the arithmetic thread."""
+        """Stop the watchdog, the channel and the arithmetic thread."""
         self._closed = True
         closed = TrainerError("the parameter holder is closed")
         self._mode.abort(closed)
         self._fail_state_waiters(closed)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._watchdog.stop()
         if self._channel is not None:
             await self._channel.close()
-        self._executor.shutdown(wait=False)
+        self._arith.close()
 
 
-def _empty_records() -> dict[str, list]:
-    return {"version": [], "time": [], "loss": [], "samples": [], "contributors": [],
-            "staleness": [], "staleness_worker": []}
+def _items(contributions: list[Contribution], adjusted: Adjusted | None
+           ) -> list[tuple[Contribution, np.ndarray, float, dict[str, Any]]]:
+    """(contribution, payload, weight, record fields) of each contribution."""
+    n = len(contributions)
+    if adjusted is None:
+        return [(c, c.grads, float(c.count), {}) for c in contributions]
+    payloads = adjusted.payloads or [c.grads for c in contributions]
+    weights = adjusted.weights or [float(c.count) for c in contributions]
+    fields = adjusted.fields or [{} for _ in contributions]
+    if not len(payloads) == len(weights) == len(fields) == n:
+        raise ValueError("adjust must return one payload, weight and record per "
+                         "contribution")
+    return list(zip(contributions, payloads, weights, fields, strict=True))
+
+
+def _nothing() -> None:
+    """A no-op for the serial section: awaiting it waits for the work queued before."""

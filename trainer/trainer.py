@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -64,6 +65,23 @@ def _checkpoint_history(state: dict[str, Any], path: str | os.PathLike) -> Histo
         rows = UpdateLog(path).read(up_to_version=int(state["holder"]["version"]))
         history.extend(records_of(rows))
     return history
+
+
+_FUNCTION = "function:"
+
+
+def _name_of(value: Any) -> Any:
+    """A function as a comparable name (``function:module.qualname``); None stays None."""
+    if value is None:
+        return None
+    module = getattr(value, "__module__", None) or "?"
+    name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    return f"{_FUNCTION}{module}.{name}"
+
+
+def _dataset_key(dataset: Dataset) -> str:
+    """Which data a run trains on: the dataset's identity and its rows."""
+    return f"{dataset.identity}[{dataset.start}:{dataset.stop}]"
 
 
 def _factory(model: ModelSpec) -> Callable[[], torch.nn.Module]:
@@ -174,9 +192,9 @@ class Trainer:
             raise TypeError("loss must be a callable loss(output, target) -> tensor")
         if not isinstance(optimizer, OptimizerConfig):
             raise TypeError("optimizer must come from dt.optim (e.g. dt.optim.sgd(lr=0.1))")
-        mode_class(mode)(None, **mode_options)  # unknown modes and options fail here
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        mode_class(mode).check(workers, mode_options)  # unknown modes and options fail here
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if checkpoint_every is not None and checkpoint_every < 1:
@@ -227,10 +245,16 @@ class Trainer:
                          options["shuffle"], options["shuffle_blocks"], options["drop_last"])
 
     def _config(self) -> dict[str, Any]:
+        """The settings that define a run (stored in checkpoints; plain values only)."""
+        options = self.pipeline_options
         return {"mode": self.mode, "workers": self.workers, "batch_size": self.batch_size,
-                "seed": self.pipeline_options["seed"],
+                "seed": options["seed"], "shuffle": options["shuffle"],
+                "shuffle_blocks": options["shuffle_blocks"],
+                "block_rows": options["block_rows"], "drop_last": options["drop_last"],
+                "transform": _name_of(options["transform"]),
                 "optimizer": self.optimizer.to_dict(),
-                "mode_options": dict(self.mode_options)}
+                "mode_options": {k: _name_of(v) if callable(v) else v
+                                 for k, v in self.mode_options.items()}}
 
     # -- training ----------------------------------------------------------------------
     def fit(
@@ -272,15 +296,17 @@ class Trainer:
             raise ValueError(f"batch_size {self.batch_size} is larger than the "
                              f"{len(dataset)} samples of {dataset!r}")
         state = load_checkpoint(resume) if resume is not None else None
+        kind = mode_class(self.mode)
+        per_epoch = [self._plan(dataset, options, e).num_batches for e in range(epochs)]
+        total_steps = sum(kind.planned_updates(b, self.workers, self.mode_options)
+                          for b in per_epoch)
+        epoch_steps = tuple(math.ceil(b / self.workers) for b in per_epoch)
         if state is not None:
-            self._check_resumable(state)
+            total_steps = self._check_resumable(state, dataset, epochs, total_steps)
         history = _checkpoint_history(state, resume) if state else \
             History(mode=self.mode, workers=self.workers)
         start = int(state["complete_epochs"]) if state else 0
-        lockstep = mode_class(self.mode).lockstep
-        per_epoch = [self._plan(dataset, options, e) for e in range(epochs)]
-        total_steps = sum(math.ceil(p.num_batches / self.workers) if lockstep
-                          else p.num_batches for p in per_epoch)
+        lockstep = kind.lockstep
         holder_config = HolderConfig(
             model=self._factory, optimizer=self.optimizer, workers=self.workers,
             mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
@@ -290,7 +316,9 @@ class Trainer:
         worker_config = WorkerConfig(
             model=self._factory, loss=self.loss, data=dataset, workers=self.workers,
             batch_size=self.batch_size, lockstep=lockstep, pipeline_options=options,
-            device=self.device, torch_threads=self.torch_threads, timeout=self.timeout)
+            mode=self.mode, mode_options=self.mode_options, optimizer=self.optimizer,
+            epoch_steps=epoch_steps, device=self.device, torch_threads=self.torch_threads,
+            timeout=self.timeout)
         bar = self._progress_bar(total_steps, initial=len(history.loss))
         started = time.perf_counter() - history.wall_time
         try:
@@ -299,7 +327,10 @@ class Trainer:
                              holder_worker=self.holder_worker, timeout=self.timeout,
                              checkpoint=str(checkpoint) if checkpoint is not None else None,
                              checkpoint_every=self.checkpoint_every,
-                             checkpoint_extra=lambda: {"trainer": self._config()},
+                             checkpoint_extra=lambda: {
+                                 "trainer": self._config(),
+                                 "run": {"epochs": epochs, "total_steps": total_steps,
+                                         "dataset": _dataset_key(dataset)}},
                              history=history, progress=bar)
                 try:
                     self._run(run, c, state, start, epochs, history, started, validation,
@@ -349,12 +380,37 @@ class Trainer:
                 callback(self, record)
         self._load(run.parameters())
 
-    def _check_resumable(self, state: dict[str, Any]) -> None:
+    def _check_resumable(self, state: dict[str, Any], dataset: Dataset, epochs: int,
+                         total_steps: int) -> int:
+        """Refuse a resume that would change the run; returns the schedule's total steps.
+
+        Every setting that decides which batches are drawn or how they are applied must
+        match the checkpoint's, named in the error if not. More (or fewer) epochs are
+        allowed: the learning-rate schedule is then stretched to the new length, and a
+        warning says what that does to the learning rate."""
         mine, theirs = self._config(), state.get("trainer", {})
-        for key in ("mode", "workers", "batch_size", "seed"):
-            if theirs.get(key) != mine[key]:
-                raise ValueError(f"cannot resume: the checkpoint has {key}="
-                                 f"{theirs.get(key)!r}, this trainer {key}={mine[key]!r}")
+        for key, value in mine.items():
+            if key in theirs and theirs[key] != value:
+                raise ValueError(f"cannot resume: the checkpoint was made with {key}="
+                                 f"{theirs[key]!r}, this trainer has {key}={value!r}; "
+                                 "resuming would change the run (use the checkpoint's "
+                                 "setting, or start afresh)")
+        run = state.get("run", {})
+        if run.get("dataset") not in (None, _dataset_key(dataset)):
+            raise ValueError(f"cannot resume: the checkpoint was made on dataset "
+                             f"{run['dataset']!r}, this fit is on {_dataset_key(dataset)!r}")
+        before = run.get("total_steps", state["holder"].get("total_steps"))
+        if before is not None and before != total_steps:
+            step = int(state["holder"]["updates"])
+            old, new = self.optimizer.lr_at(step, before), self.optimizer.lr_at(step,
+                                                                                 total_steps)
+            note = (f"resuming with epochs={epochs} (the checkpoint's run had "
+                    f"{run.get('epochs', '?')}): the schedule now spans {total_steps} "
+                    f"updates instead of {before}")
+            if old != new:
+                warnings.warn(f"{note}, so the learning rate at update {step} changes from "
+                              f"{old:.4g} to {new:.4g}", stacklevel=3)
+        return total_steps
 
     def _progress_bar(self, total: int, initial: int) -> Any:
         if not self.show_progress:
@@ -437,6 +493,10 @@ class Trainer:
         mode_options = config.get("mode_options") or {}
         if not isinstance(mode_options, dict):
             raise ValueError(f"{path}: the stored mode options are not a mapping")
+        # A function given as an option is stored by name only (a file never names code
+        # to import): such options are left out here and must be given again to fit.
+        mode_options = {k: v for k, v in mode_options.items()
+                        if not (isinstance(v, str) and v.startswith(_FUNCTION))}
         # One dict, checked by the mode: a file never sets other constructor arguments.
         trainer = cls(model, loss, OptimizerConfig.from_dict(config["optimizer"]),
                       config["mode"], config["workers"], config["batch_size"],

@@ -3,8 +3,9 @@
 A checkpoint is rewritten whole at every save; if it carried every update's record, a long
 run's checkpoint I/O would grow with the square of its length. The checkpoint therefore
 holds the run's summary (epochs, events, counters) and this file holds one line per update:
-``{"version": …, "loss": …, "samples": …, "contributors": …, "time": …, "staleness": [one
-per applied gradient], "staleness_worker": […]}``. A resume keeps the lines up to the
+its fields (:data:`~dasktrain.trainer.records.PER_UPDATE`) as values and each per-gradient
+field as a list with one entry per gradient recorded for it (``"staleness": […],
+"staleness_worker": […], "scale": […], …``). A resume keeps the lines up to the
 checkpoint's version (later ones are redone) and rewrites the file to those.
 """
 
@@ -17,32 +18,35 @@ from typing import Any
 
 from dasktrain._durable import fsync_directory
 from dasktrain.trainer.checkpoint import checkpoint_file
+from dasktrain.trainer.records import PER_GRADIENT, PER_UPDATE
 
-__all__ = ["PER_GRADIENT", "PER_UPDATE", "UpdateLog", "records_of", "rows_of"]
-
-PER_UPDATE = ("version", "time", "loss", "samples", "contributors")
-PER_GRADIENT = ("staleness", "staleness_worker")  # ``contributors`` entries per update
-
+__all__ = ["UpdateLog", "records_of", "rows_of"]
 
 def rows_of(records: dict[str, list]) -> Iterator[dict[str, Any]]:
-    """Column lists (as the holder reports them) as one dict per update."""
+    """Column lists (as the holder reports them) as one dict per update: per-update
+    fields as values, per-gradient fields (every other name) as lists."""
+    per_gradient = [name for name in records if name not in PER_UPDATE]
     at = 0
     for i in range(len(records["version"])):
-        row = {name: records[name][i] for name in PER_UPDATE}
-        n = int(row["contributors"])
-        row.update({name: records[name][at : at + n] for name in PER_GRADIENT})
+        row = {name: records[name][i] for name in PER_UPDATE if name in records}
+        n = int(row.get("gradients", row["contributors"]))
+        row.update({name: records[name][at : at + n] for name in per_gradient})
         at += n
         yield row
 
 
 def records_of(rows: list[dict[str, Any]]) -> dict[str, list]:
-    """The inverse of :func:`rows_of`."""
+    """The inverse of :func:`rows_of` (lists in a row are per-gradient fields)."""
     records: dict[str, list] = {name: [] for name in (*PER_UPDATE, *PER_GRADIENT)}
     for row in rows:
-        for name in PER_UPDATE:
-            records[name].append(row[name])
-        for name in PER_GRADIENT:
-            records[name].extend(row[name])
+        if "gradients" not in row:  # written before per-update gradient counts
+            row = {**row, "gradients": row["contributors"]}
+        for name, value in row.items():
+            column = records.setdefault(name, [])
+            if isinstance(value, list):
+                column.extend(value)
+            else:
+                column.append(value)
     return records
 
 

@@ -2,9 +2,10 @@
 
 Per epoch, each worker task secedes from its worker's thread pool (so the pipeline's tasks
 can use that thread), builds the model, takes its starting parameters and position from the
-holder, then loops: batch -> forward/backward -> push the gradient -> load the parameters
-the holder sends back. While a push is on its way the next batch is already taken from the
-pipeline (whose prefetch runs on the cluster), so communication overlaps data work.
+holder, then loops: batch -> forward/backward -> the mode's step (:mod:`.steps`: push the
+gradient, or take a local step) -> load the parameters the holder sends back. While a push
+is on its way the next batch is already taken from the pipeline (whose prefetch runs on the
+cluster), so communication overlaps data work.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
+from dasktrain.trainer.modes import worker_step_class
 from dasktrain.trainer.notices import (
     capture_warnings,
     shape_notice,
     taken_warnings,
     watch_this_thread,
 )
+from dasktrain.trainer.steps import StepContext, WorkerStep
 
 __all__ = ["WorkerConfig", "pick_device", "run_worker"]
 
@@ -45,6 +48,10 @@ class WorkerConfig:
     batch_size: int
     lockstep: bool
     pipeline_options: dict[str, Any]
+    mode: str = "sync"
+    mode_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    optimizer: Any = None  # OptimizerConfig, for modes whose workers step locally
+    epoch_steps: tuple[int, ...] = ()  # lock-step steps of each epoch of the fit
     device: str | None = None
     torch_threads: int = 1
     timeout: float = 300.0
@@ -79,10 +86,19 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
         handle.close()
 
 
+def _step_for(config: WorkerConfig, flat: FlatModel, epoch: int) -> WorkerStep:
+    """The mode's worker step (see :mod:`dasktrain.trainer.steps`)."""
+    context = StepContext(config.optimizer, dict(config.mode_options),
+                          step_offset=sum(config.epoch_steps[:epoch]),
+                          total_steps=sum(config.epoch_steps))
+    return worker_step_class(config.mode)(flat, context)
+
+
 def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: torch.device,
            worker: int, address: str | None, epoch: int, started: float) -> dict[str, Any]:
-    info = handle.join(worker, address, flat.layout, into=flat.receive_buffer())
-    flat.load(info["params"])
+    strategy = _step_for(config, flat, epoch)
+    info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer())
+    strategy.start(info["params"])
     version = int(info["version"])
     # One pipeline per epoch task: a head start on the next epoch would be thrown away.
     pipe = Pipeline(config.data, config.batch_size, rank=worker, world_size=config.workers,
@@ -106,7 +122,7 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
     batch = take(start)
     for step in range(start, steps):
         t0 = time.perf_counter()
-        payload, count, loss_value = None, 0, 0.0
+        count, loss_value = 0, 0.0
         if batch is not None:
             x, y = batch if isinstance(batch, tuple) else (batch, None)
             flat.zero_grad()
@@ -115,16 +131,20 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
                 _tell(handle, worker, [shape_notice(output, y)])
             loss = config.loss(output, y) if y is not None else config.loss(output)
             loss.backward()
-            payload, count, loss_value = flat.payload(), len(x), float(loss.detach())
+            count, loss_value = len(x), float(loss.detach())
             samples += count
+        push = strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
         t1 = time.perf_counter()
-        position = (epoch, min(step + 1, mine))
-        future = handle.push(worker, version, payload, count, loss_value, position)
+        compute += t1 - t0
+        if push is None:  # a local step: nothing to exchange yet
+            batch = take(step + 1) if step + 1 < steps else None
+            continue
+        future = handle.push(worker, version, push.payload, push.count, push.loss,
+                             (epoch, step + 1))
         batch = take(step + 1) if step + 1 < steps else None  # overlaps the exchange
         params, version = handle.wait(future, f"worker {worker}'s update at step {step}")
-        flat.load(params)
+        strategy.load(params)
         _tell(handle, worker, taken_warnings())
-        compute += t1 - t0
         wait += time.perf_counter() - t1
     for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
         pass

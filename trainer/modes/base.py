@@ -1,25 +1,70 @@
-"""What an update mode is: the rule the holder applies to arriving gradients."""
+"""What an update mode is, and the host interface the parameter holder offers it.
+
+A mode decides *when* and *what* the holder applies; the holder (the host) does the
+arithmetic, the bookkeeping, the watchdog, checkpoints and the wire. A mode is one module
+with a subclass of :class:`UpdateMode` and one entry in :data:`dasktrain.trainer.modes.MODES`.
+
+Hooks a mode implements (all optional except :meth:`UpdateMode.push`):
+
+* ``push(contribution)``: a worker's gradient (or parameters) arrived; return once it is
+  applied, kept for later, or dropped. The reply (fresh parameters) is the host's business.
+* ``joined(worker)``, ``left(worker)``, ``lost(worker)``: membership changed (a pending
+  update may be complete now). The worker's clock is ``host.clocks[worker]``.
+* ``sent(worker)``: parameters were just handed to ``worker`` (at join and in every reply),
+  inside the serial section, so ``host.parameters`` is what it received.
+* ``waiting_for()``: the workers a pending update waits for; the watchdog drops those
+  that died or stay silent.
+* ``state_dict()`` / ``load_state_dict(state)``: the mode's own state (clocks are the
+  host's), in the checkpoint; plain containers and tensors only.
+* ``abort(error)``: fail whatever still waits.
+
+What the host offers (:class:`Host`):
+
+* ``apply(contributions, adjust=None, advance=False)``: the sample-weighted mean of the
+  gradients as one optimizer step. ``adjust``, run in the serial section right before the
+  step, may return other payloads and weights, a learning-rate scale for this step (which
+  works under every optimizer; scaling a gradient does nothing under Adam) and each
+  gradient's record fields (:class:`Adjusted`).
+* ``set_state(contributions, values)``: parameters (then buffers) outright, for averaging.
+* ``drop_gradient(contribution, reason)``: record a gradient that is not applied.
+* ``hold(contribution)``: count a contribution the mode keeps for a later update (in the
+  serial section), so that a checkpoint taken meanwhile resumes after its batch.
+* ``serially(fn, *args)``: a section ordered with every update, snapshot and restore.
+* ``parameters`` and ``values`` (parameters then buffers): read-only views, for the serial
+  section; ``version``, ``epoch``, ``epoch_start``, ``clocks``, ``batches_taken(worker)``,
+  ``live_workers()``, ``workers``, ``layout``, ``optimizer``, ``record_event(text)``.
+
+Per-gradient record fields a mode adds are declared once, in ``gradient_fields``, and
+passed in ``Adjusted.fields`` or to ``drop_gradient``: the History and the update log pick
+them up by name.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+import torch
+
+from dasktrain.trainer.steps import GradientStep, WorkerStep
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.holder import ParameterHolder
+    from dasktrain.trainer.flat import FlatLayout
+    from dasktrain.trainer.optim import OptimizerConfig
 
-__all__ = ["Contribution", "UpdateMode"]
+__all__ = ["Adjust", "Adjusted", "Contribution", "Host", "UpdateMode"]
 
 
 @dataclasses.dataclass(slots=True)
 class Contribution:
-    """One worker's push: the gradient of its batch at the parameters of ``version``.
+    """One worker's push: the gradient of its batch at the parameters of ``version`` (or,
+    in parameter-averaging modes, its parameters after local steps).
 
     ``grads`` may be a buffer the sender reuses for its next push (the direct channel's
     receive buffer): it is valid until the mode's :meth:`UpdateMode.push` returns, so a mode
-    that keeps a gradient for a later update must copy it.
+    that keeps a gradient for a later update must :meth:`keep` it.
     """
 
     worker: int
@@ -28,36 +73,143 @@ class Contribution:
     count: int  # samples in the batch (the weight in an average)
     loss: float
     position: tuple[int, int]  # the worker's (epoch, batches consumed) after this batch
+    clock: int = 0  # contributions of this worker before this one (set by the host)
+    held: bool = False  # counted in the worker's clock and position (see Host.hold)
+
+    def keep(self) -> Contribution:
+        """A copy that owns its payload."""
+        grads = None if self.grads is None else np.array(self.grads, copy=True)
+        return dataclasses.replace(self, grads=grads)
+
+
+@dataclasses.dataclass(slots=True)
+class Adjusted:
+    """What a mode's ``adjust`` makes of the contributions of one update (each list, when
+    given, has one entry per contribution, in the order given)."""
+
+    payloads: list[np.ndarray] | None = None
+    """Payloads to average instead of the contributions' own."""
+    weights: list[float] | None = None
+    """Weights in the average instead of the batch sizes."""
+    lr_scale: float = 1.0
+    """Factor on this step's learning rate (works under every optimizer)."""
+    fields: list[dict[str, Any]] | None = None
+    """Each gradient's record fields: ``scale``, ``compensated`` and the mode's own."""
+
+
+Adjust = Callable[[list[Contribution]], Adjusted]
+
+
+class Host(Protocol):
+    """The parameter holder as a mode sees it."""
+
+    workers: int
+    layout: FlatLayout
+    optimizer: OptimizerConfig
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def epoch_start(self) -> int: ...
+    @property
+    def clocks(self) -> Sequence[int]: ...
+    @property
+    def parameters(self) -> torch.Tensor: ...
+    @property
+    def values(self) -> torch.Tensor: ...
+
+    def live_workers(self) -> set[int]: ...
+    def batches_taken(self, worker: int) -> int: ...
+    def record_event(self, text: str) -> None: ...
+
+    async def apply(self, contributions: Sequence[Contribution], *,
+                    adjust: Adjust | None = None, advance: bool = False) -> None: ...
+    async def set_state(self, contributions: Sequence[Contribution],
+                        values: torch.Tensor | None) -> None: ...
+    def drop_gradient(self, contribution: Contribution, reason: str, **fields: Any) -> None: ...
+    def hold(self, contribution: Contribution) -> None: ...
+    async def serially(self, fn: Any, *args: Any) -> Any: ...
 
 
 class UpdateMode:
-    """Base of the update modes. A mode decides *when* and *what* to apply; the holder does
-    the arithmetic (:meth:`ParameterHolder.apply`) and the bookkeeping.
-
-    Mode methods run on the holder worker's event loop, never concurrently with each other
-    except at ``await`` points.
-    """
+    """Base of the update modes. Hooks run on the holder worker's event loop, never
+    concurrently with each other except at ``await`` points."""
 
     name: ClassVar[str]
     lockstep: ClassVar[bool] = False
-    """True when every worker pushes once per step (those without a batch push nothing but
-    their presence), so the holder's version says where every worker is in the epoch."""
+    """True when every worker steps through the same number of steps per epoch (those
+    without a batch push nothing but their presence)."""
+    gradient_fields: ClassVar[dict[str, Any]] = {}
+    """Extra per-gradient record fields and their defaults (see :mod:`..records`)."""
+    worker_step: ClassVar[type[WorkerStep]] = GradientStep
+    """What workers do per batch (:mod:`dasktrain.trainer.steps`): by default push each
+    gradient; ``average`` takes local optimizer steps and pushes parameters."""
 
-    def __init__(self, holder: ParameterHolder, **options: Any) -> None:
+    def __init__(self, host: Host | None, **options: Any) -> None:
+        """``host`` is None when the options are only being validated."""
         if options:
             raise ValueError(f"mode {self.name!r} takes no option(s) {sorted(options)}")
-        self.holder = holder
+        self.host = host
 
+    # -- planning (class level: no host needed) ------------------------------------------
+    @classmethod
+    def check(cls, workers: int, options: dict[str, Any]) -> None:
+        """Refuse bad ``options`` for a run of ``workers`` workers, before any cluster
+        work."""
+        del workers
+        cls(None, **options)
+
+    @classmethod
+    def planned_updates(cls, batches: int, workers: int, options: dict[str, Any]) -> int:
+        """Holder updates in an epoch of ``batches`` batches (for schedules and progress)."""
+        del options
+        return -(-batches // workers) if cls.lockstep else batches
+
+    @classmethod
+    def payload_size(cls, layout: FlatLayout, optimizer: OptimizerConfig,
+                     options: dict[str, Any]) -> int:
+        """Values in one push and one reply."""
+        del optimizer, options
+        return layout.size
+
+    # -- hooks ---------------------------------------------------------------------------
     async def push(self, contribution: Contribution) -> None:
-        """Return once ``contribution`` is applied (or refused)."""
+        """Return once ``contribution`` is applied, kept, or dropped."""
         raise NotImplementedError
 
-    def waiting_for(self) -> set[int]:
-        """Workers a pending update waits for (the holder's watchdog checks they live)."""
-        return set()
+    def joined(self, worker: int) -> None:
+        """``worker`` (re)joined."""
+
+    async def left(self, worker: int) -> None:
+        """``worker`` finished its share of the epoch."""
+        await self.membership_changed()
+
+    async def lost(self, worker: int) -> None:
+        """``worker`` was dropped (dead or silent); it may come back with a join."""
+        await self.membership_changed()
 
     async def membership_changed(self) -> None:
-        """A worker left, was lost or came back: a pending update may be complete now."""
+        """A pending update may be complete now."""
+
+    def sent(self, worker: int) -> None:
+        """Parameters were handed to ``worker`` (serial section)."""
+
+    def reply(self, worker: int) -> np.ndarray | None:
+        """A reply of the mode's own for ``worker`` (serial section), or None for the
+        host's current parameters."""
+        del worker
+        return None
+
+    def start_position(self, worker: int, recorded: int) -> int:
+        """Where ``worker`` (re)starts in the epoch; ``recorded`` is the number of its
+        batches the holder has taken."""
+        del worker
+        return recorded
+
+    def waiting_for(self) -> set[int]:
+        return set()
 
     def abort(self, error: BaseException) -> None:
         """Fail every push still waiting."""

@@ -9,68 +9,35 @@ that comes back joins the next round.
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
-from dasktrain.trainer.modes.base import Contribution, UpdateMode
+from dasktrain.trainer.modes.base import Contribution
+from dasktrain.trainer.modes.rounds import RoundMode
 
 __all__ = ["SyncMode"]
 
 
-class SyncMode(UpdateMode):
+class SyncMode(RoundMode):
     name = "sync"
     lockstep = True
 
-    def __init__(self, holder: Any, **options: Any) -> None:
-        super().__init__(holder, **options)
-        self._round: dict[int, Contribution] = {}
-        self._done: asyncio.Future | None = None
-        self._applying = False
-
     async def push(self, contribution: Contribution) -> None:
-        holder = self.holder
-        if contribution.version != holder.version:
+        host = self.host
+        if contribution.version != host.version:
             # Computed on parameters whose round has closed without it (its worker was
             # dropped, then came back): applying it now would break the barrier's promise.
-            holder.record_event(f"worker {contribution.worker}: gradient for version "
-                                f"{contribution.version} arrived at version "
-                                f"{holder.version}; dropped")
+            host.record_event(f"worker {contribution.worker}: gradient for version "
+                              f"{contribution.version} arrived at version {host.version}; "
+                              "dropped")
+            if contribution.grads is not None:
+                host.drop_gradient(contribution, "its round closed without it")
             return
-        # A restarted worker may push again for the same version: the same batch, so the
-        # newer copy simply replaces the older.
-        self._round[contribution.worker] = contribution
-        if self._done is None:
-            self._done = asyncio.get_running_loop().create_future()
-        done = self._done
-        await self._apply_if_complete()
-        await done
+        await self.enter(contribution)
 
-    def waiting_for(self) -> set[int]:
-        if not self._round:
-            return set()
-        return self.holder.expected_workers() - self._round.keys()
+    def complete(self) -> bool:
+        return not self.waiting_for()
 
-    async def membership_changed(self) -> None:
-        await self._apply_if_complete()
+    async def close_round(self, contributions: list[Contribution]) -> None:
+        await self.host.apply(contributions, advance=True)
 
-    async def _apply_if_complete(self) -> None:
-        if self._applying or not self._round or self.waiting_for():
-            return
-        contributions, done = list(self._round.values()), self._done
-        self._round, self._done, self._applying = {}, None, True
-        try:
-            await self.holder.apply(contributions)
-        except BaseException as exc:
-            if done is not None and not done.done():
-                done.set_exception(exc)
-            raise
-        finally:
-            self._applying = False
-        if done is not None and not done.done():
-            done.set_result(None)
-        # Pushes for the next version cannot have arrived (their workers wait on ``done``).
-
-    def abort(self, error: BaseException) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(error)
-        self._round, self._done = {}, None
+    def start_position(self, worker: int, recorded: int) -> int:
+        # Every worker is at the same step: the rounds of this epoch so far.
+        return self.host.version - self.host.epoch_start

@@ -1,0 +1,210 @@
+"""The holder's numbers: the master buffer, the optimizer, averaging, and the serial section.
+
+The master state is one flat float32 buffer, parameters then the model's buffers. Replies
+hand workers that buffer itself, under a *lease*: a lease is taken before a send and
+released after it, and an update that finds the current buffer leased first copies it to a
+free one and writes there (copy on write). So a worker never receives a half-written
+buffer, and in lock-step modes, where every lease is released before the next update can
+start, no update copies anything.
+
+Serial section: updates, leases, snapshots and restores run one at a time, in order. Models
+over ``INLINE_SIZE`` values run them on one private thread (the event loop keeps serving
+heartbeats and transfers meanwhile); smaller ones on the event loop itself, where the work
+takes less than the hand-off to a thread would add.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dasktrain.trainer.flat import FlatLayout
+from dasktrain.trainer.optim import OptimizerConfig
+
+__all__ = ["INLINE_SIZE", "Arithmetic", "Lease", "as_tensor"]
+
+INLINE_SIZE = 1 << 20  # payload elements up to which the serial section runs on the loop
+_SPARE_BUFFERS = 4  # released copies kept for reuse (fresh allocations cost page faults)
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array`` without a copy (received buffers may be read-only; they are
+    only ever read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Lease:
+    """Parameters (then buffers) of ``version``, unchanged until :meth:`release`."""
+
+    array: np.ndarray
+    version: int
+    _release: Callable[[], None] | None
+
+    def release(self) -> None:
+        """Give the buffer back (idempotent); the array must not be read afterwards."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
+class Arithmetic:
+    """Master parameters and buffers, their optimizer, and the updates applied to them."""
+
+    def __init__(self, layout: FlatLayout, initial: np.ndarray,
+                 optimizer: OptimizerConfig, total_steps: int | None) -> None:
+        self.layout = layout
+        self.optimizer_config = optimizer
+        self.total_steps = total_steps
+        self._flat = torch.from_numpy(np.array(initial, dtype=np.float32))
+        self._param = torch.nn.Parameter(self._flat[: layout.num_params])
+        self._optimizer = optimizer.build([self._param], segments=layout.param_segments())
+        self._average_buffer = torch.empty(layout.size, dtype=torch.float32)
+        self.updates = 0  # optimizer steps taken (the schedule's step counter)
+        self._lock = threading.Lock()  # lease counts: released from any thread
+        self._leases: dict[int, int] = {}  # id of a leased buffer -> leases on it
+        self._spare: list[torch.Tensor] = []
+        self.threaded = layout.size > INLINE_SIZE
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="dasktrain-holder") if self.threaded else None
+
+    # -- the serial section ------------------------------------------------------------
+    async def serially(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in order with every other call of this method."""
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    # -- reading -----------------------------------------------------------------------
+    @property
+    def parameters(self) -> torch.Tensor:
+        """The current parameters (a view: read it inside the serial section)."""
+        return self._param.detach()
+
+    @property
+    def buffers(self) -> torch.Tensor:
+        return self._flat[self.layout.num_params:]
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """Parameters then buffers (a view: read it inside the serial section)."""
+        return self._flat
+
+    def lease(self, version: int) -> Lease:
+        """The current state under a lease (call inside the serial section)."""
+        buffer = self._flat
+        key = id(buffer)
+        with self._lock:
+            self._leases[key] = self._leases.get(key, 0) + 1
+
+        def release() -> None:
+            with self._lock:
+                left = self._leases[key] - 1
+                if left:
+                    self._leases[key] = left
+                else:
+                    del self._leases[key]
+                    if buffer is not self._flat and len(self._spare) < _SPARE_BUFFERS:
+                        self._spare.append(buffer)
+
+        return Lease(buffer.numpy(), version, release)
+
+    def _writable(self) -> None:
+        """Copy the master state to a free buffer first if a lease still reads it."""
+        with self._lock:
+            if id(self._flat) not in self._leases:
+                return
+            fresh = self._spare.pop() if self._spare else torch.empty_like(self._flat)
+        fresh.copy_(self._flat)
+        self._flat = fresh
+        # The optimizer's state is keyed by the Parameter object, not its storage.
+        self._param.data = fresh[: self.layout.num_params]
+
+    # -- updates -----------------------------------------------------------------------
+    def average(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
+                overflow_safe: bool = False) -> torch.Tensor | None:
+        """The ``weights``-weighted mean of ``payloads`` (a scratch buffer, valid until the
+        next call). ``overflow_safe``: as a weighted sum, which stays finite for finite
+        payloads; the running mean takes differences, which overflow near the float32
+        limit."""
+        if not payloads:
+            return None
+        total = float(sum(weights))
+        if len(payloads) == 1:
+            return as_tensor(payloads[0])
+        out = self._average_buffer
+        if overflow_safe or total <= 0:
+            total = total or 1.0
+            torch.mul(as_tensor(payloads[0]), weights[0] / total, out=out)
+            for payload, weight in zip(payloads[1:], weights[1:], strict=True):
+                out.add_(as_tensor(payload), alpha=weight / total)
+            return out
+        # A running weighted mean, one pass per further payload: after each step ``out`` is
+        # the mean of the payloads so far (lerp: out + w * (g - out)).
+        seen = weights[0] + weights[1]
+        torch.lerp(as_tensor(payloads[0]), as_tensor(payloads[1]),
+                   weights[1] / seen if seen else 0.5, out=out)
+        for payload, weight in zip(payloads[2:], weights[2:], strict=True):
+            seen += weight
+            if weight:
+                out.lerp_(as_tensor(payload), weight / seen)
+        return out
+
+    def lr(self, scale: float = 1.0) -> float:
+        """The learning rate of the next step, times ``scale``."""
+        return self.optimizer_config.lr_at(self.updates, self.total_steps) * scale
+
+    def step(self, payload: torch.Tensor, lr_scale: float = 1.0) -> None:
+        """One optimizer step on the gradient part of ``payload``; its buffer part becomes
+        the model's buffers (batch-norm statistics are averaged like gradients).
+
+        ``lr_scale`` multiplies the learning rate of this step only: unlike scaling the
+        gradient, it scales the step under every optimizer (Adam normalises a gradient's
+        size away)."""
+        self._writable()
+        n = self.layout.num_params
+        self._param.grad = payload[:n]
+        lr = self.lr(lr_scale)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        self._optimizer.step()
+        self._param.grad = None
+        self.updates += 1
+        if self.layout.num_buffers:
+            self._flat[n:].copy_(payload[n:])
+
+    def set_state(self, values: torch.Tensor) -> None:
+        """Set parameters then buffers outright (parameter averaging); no optimizer step."""
+        self._writable()
+        with torch.no_grad():
+            self._flat.copy_(values[: self.layout.size])
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": self._param.detach().clone(),
+                "buffers": self.buffers.clone(),
+                "optimizer": copy.deepcopy(self._optimizer.state_dict()),
+                "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._writable()
+        with torch.no_grad():
+            self._flat[: self.layout.num_params].copy_(state["params"])
+            self.buffers.copy_(state["buffers"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])

@@ -1,0 +1,166 @@
+"""What the modes that apply stale gradients (``async``, ``soft``, ``ssp``) can add:
+
+* ``staleness_lr``: the learning rate of a gradient of staleness τ is scaled by λ(τ):
+  ``"inverse"`` 1/(1+τ), ``"sqrt"`` 1/√(1+τ), or a callable ``f(τ) -> float`` (defined at
+  module level, so that it reaches the holder). An update of several gradients averages
+  them with weights ``batch size x λ(τ)`` and scales its step's learning rate by their
+  batch-size-weighted mean λ: under SGD that is exactly each gradient scaled by its own
+  λ(τ), and under every optimizer the step shrinks with staleness (scaling the gradient
+  alone would do nothing under Adam, which normalises its size away).
+* ``dc_lambda`` (DC-ASGD, Zheng et al., ICML 2017): a gradient ``g`` computed on the
+  parameters ``w_sent`` that its worker last received is applied as
+  ``g + λ·g⊙g⊙(w_now - w_sent)``, a first-order correction for what changed since. The
+  holder keeps ``w_sent`` per worker (parameters only: buffers are not compensated).
+  ``dc_adaptive=True`` uses ``λ / sqrt(ms + eps)`` elementwise, where ``ms`` is a running
+  mean of ``g⊙g`` (``ms ← m·ms + (1-m)·g⊙g``, ``m = dc_momentum``), as in DC-ASGD-a.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from dasktrain.trainer.arithmetic import as_tensor
+from dasktrain.trainer.modes.base import Adjusted, Contribution, Host, UpdateMode
+
+__all__ = ["StaleGradientMode", "staleness_rule"]
+
+StalenessRule = Callable[[int], float]
+
+_RULES: dict[str, StalenessRule] = {
+    "inverse": lambda tau: 1.0 / (1.0 + tau),
+    "sqrt": lambda tau: 1.0 / math.sqrt(1.0 + tau),
+}
+
+
+def staleness_rule(rule: str | StalenessRule | None) -> StalenessRule | None:
+    """The function of a ``staleness_lr`` option (None: no scaling)."""
+    if rule is None:
+        return None
+    if isinstance(rule, str):
+        try:
+            return _RULES[rule]
+        except KeyError:
+            raise ValueError(f"staleness_lr must be one of {sorted(_RULES)} or a callable, "
+                             f"got {rule!r}") from None
+    if callable(rule):
+        return rule
+    raise TypeError(f"staleness_lr must be a rule name or a callable, got "
+                    f"{type(rule).__name__}")
+
+
+class StaleGradientMode(UpdateMode):
+    """Base of ``async``, ``soft`` and ``ssp``: their options ``staleness_lr``,
+    ``dc_lambda``, ``dc_adaptive`` and ``dc_momentum``, and :meth:`adjust`, which applies
+    them when an update is made."""
+
+    def __init__(self, host: Host | None, *, staleness_lr: str | StalenessRule | None = None,
+                 dc_lambda: float | None = None, dc_adaptive: bool = False,
+                 dc_momentum: float = 0.95, dc_eps: float = 1e-7, **options: Any) -> None:
+        super().__init__(host, **options)
+        self.staleness_lr = staleness_rule(staleness_lr)
+        if dc_lambda is not None and not (isinstance(dc_lambda, int | float)
+                                          and math.isfinite(dc_lambda) and dc_lambda >= 0):
+            raise ValueError(f"dc_lambda must be a finite number >= 0, got {dc_lambda!r}")
+        if not 0 <= dc_momentum < 1:
+            raise ValueError(f"dc_momentum must be in [0, 1), got {dc_momentum!r}")
+        if dc_eps <= 0:
+            raise ValueError(f"dc_eps must be positive, got {dc_eps!r}")
+        if dc_adaptive and dc_lambda is None:
+            raise ValueError("dc_adaptive=True needs dc_lambda (the base λ)")
+        self.dc_lambda = None if dc_lambda is None else float(dc_lambda)
+        self.dc_adaptive = bool(dc_adaptive)
+        self.dc_momentum = float(dc_momentum)
+        self.dc_eps = float(dc_eps)
+        self._sent: dict[int, torch.Tensor] = {}  # w_sent per worker (DC only)
+        self._mean_square: torch.Tensor | None = None
+        self._scratch: dict[int, np.ndarray] = {}
+
+    # -- hooks ---------------------------------------------------------------------------
+    def sent(self, worker: int) -> None:
+        if self.dc_lambda is None:
+            return
+        params = self.host.parameters
+        shadow = self._sent.get(worker)
+        if shadow is None:
+            self._sent[worker] = params.clone()
+        else:
+            shadow.copy_(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sent": {w: t.clone() for w, t in self._sent.items()},
+                "mean_square": None if self._mean_square is None
+                else self._mean_square.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sent = {int(w): t.clone() for w, t in state.get("sent", {}).items()}
+        ms = state.get("mean_square")
+        self._mean_square = None if ms is None else ms.clone()
+
+    # -- the arithmetic ------------------------------------------------------------------
+    def fields(self, contribution: Contribution) -> dict[str, Any]:
+        """The mode's own record fields of a gradient being applied (override)."""
+        del contribution
+        return {}
+
+    def adjust(self, contributions: list[Contribution]) -> Adjusted:
+        """Staleness scaling and delay compensation of one update (serial section)."""
+        host = self.host
+        scales = [1.0] * len(contributions)
+        if self.staleness_lr is not None:
+            scales = [float(self.staleness_lr(host.version - c.version))
+                      for c in contributions]
+            for c, scale in zip(contributions, scales, strict=True):
+                if not (math.isfinite(scale) and scale >= 0):
+                    raise ValueError(f"staleness_lr gave {scale!r} for staleness "
+                                     f"{host.version - c.version}: it must be a finite "
+                                     "number >= 0")
+        payloads = None
+        compensated = [False] * len(contributions)
+        if self.dc_lambda is not None:
+            payloads = []
+            for i, c in enumerate(contributions):
+                payload, compensated[i] = self._compensate(c)
+                payloads.append(payload)
+        counts = [float(c.count) for c in contributions]
+        total = sum(counts)
+        lr_scale = sum(n * s for n, s in zip(counts, scales, strict=True)) / total \
+            if total else 1.0
+        return Adjusted(
+            payloads=payloads,
+            weights=[n * s for n, s in zip(counts, scales, strict=True)]
+            if self.staleness_lr is not None else None,
+            lr_scale=lr_scale,
+            fields=[{"scale": s, "compensated": comp, **self.fields(c)}
+                    for c, s, comp in zip(contributions, scales, compensated, strict=True)])
+
+    def _compensate(self, c: Contribution) -> tuple[np.ndarray, bool]:
+        """``g + λ·g⊙g⊙(w_now - w_sent)`` on the parameter part of ``c``'s payload."""
+        shadow = self._sent.get(c.worker)
+        n = self.host.layout.num_params
+        grads = as_tensor(c.grads)
+        g = grads[:n]
+        if self.dc_adaptive:
+            square = g * g
+            if self._mean_square is None:
+                self._mean_square = square.clone()
+            else:
+                self._mean_square.mul_(self.dc_momentum).add_(square,
+                                                              alpha=1 - self.dc_momentum)
+        if shadow is None:  # no parameters were sent to it yet (cannot happen in a run)
+            return c.grads, False
+        out = self._scratch.get(c.worker)
+        if out is None or out.shape != c.grads.shape:
+            out = self._scratch[c.worker] = np.empty_like(c.grads)
+        result = as_tensor(out)
+        result.copy_(grads)
+        delta = self.host.parameters - shadow
+        factor = g * g * delta
+        if self.dc_adaptive:
+            factor.div_(self._mean_square.add(self.dc_eps).sqrt_())
+        result[:n].add_(factor, alpha=self.dc_lambda)
+        return out, True

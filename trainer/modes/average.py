@@ -1,0 +1,173 @@
+"""``average``: periodic parameter averaging (local SGD).
+
+Each worker runs the optimizer itself on its own batches and, every ``average_every`` (K)
+steps and at the end of its epoch, pushes its parameters (and buffers). When every live
+worker has pushed, the holder makes their sample-weighted average the parameters, and every
+worker continues from it. One update is one averaging round.
+
+``average_optimizer_state=True`` averages the workers' optimizer states (momentum, Adam's
+moments) with the parameters; by default each worker keeps its own, which the holder stores
+between rounds (so it survives epochs, restarts and checkpoints).
+
+With K = 1 and plain SGD this is ``sync`` exactly: the average of one SGD step from the same
+parameters is one SGD step on the average gradient. With momentum it is ``sync`` only when
+the optimizer state is averaged too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from dasktrain.trainer.flat import FlatLayout, FlatModel
+from dasktrain.trainer.modes.base import Contribution, Host
+from dasktrain.trainer.modes.rounds import RoundMode
+from dasktrain.trainer.optim import OptimizerConfig
+from dasktrain.trainer.optim_state import StateLayout
+from dasktrain.trainer.steps import Push, StepContext, WorkerStep
+
+__all__ = ["AverageMode", "LocalSteps"]
+
+DEFAULT_EVERY = 10
+
+
+def _every(options: dict[str, Any]) -> int:
+    every = options.get("average_every", DEFAULT_EVERY)
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"average_every must be a positive integer, got {every!r}")
+    return every
+
+
+class LocalSteps(WorkerStep):
+    """A worker's half of ``average``: local optimizer steps, parameters pushed every K."""
+
+    def __init__(self, flat: FlatModel, context: StepContext) -> None:
+        super().__init__(flat, context)
+        self.every = _every(context.mode_options)
+        # The optimizer works on a Parameter sharing the model's flat storage, whose
+        # gradient is the flat gradient buffer: the model's own tensors move with it.
+        self.param = torch.nn.Parameter(flat.params)
+        self.param.grad = flat.grads
+        self.optimizer = context.optimizer.build([self.param],
+                                                 segments=flat.layout.param_segments())
+        self.state_layout = StateLayout.of(context.optimizer)
+        size = flat.layout.size
+        self._size = size
+        total = size + self.state_layout.size(flat.layout.num_params)
+        self._out = np.empty(total, dtype=np.float32)
+        self._in = np.empty(total, dtype=np.float32)
+        self._count = 0
+        self._loss = 0.0
+
+    def receive_buffer(self) -> np.ndarray:
+        return self._in
+
+    def start(self, values: np.ndarray) -> None:
+        self.load(values)
+
+    def load(self, values: np.ndarray) -> None:
+        self.flat.load(values[: self._size])
+        if len(values) > self._size:
+            self.state_layout.load(self.optimizer, self.param, values[self._size:])
+
+    def after_backward(self, step: int, count: int, loss: float, last: bool) -> Push | None:
+        if count:
+            config = self.context.optimizer
+            lr = config.lr_at(self.context.step_offset + step, self.context.total_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self._count += count
+            self._loss += loss * count
+        if (step + 1) % self.every and not last:
+            return None
+        np.copyto(self._out[: self._size], self.flat.state())
+        self.state_layout.flatten(self.optimizer, self.param, self._out[self._size:])
+        push = Push(self._out, self._count, self._loss / self._count if self._count else 0.0)
+        self._count, self._loss = 0, 0.0
+        return push
+
+
+class AverageMode(RoundMode):
+    name = "average"
+    lockstep = True
+    worker_step = LocalSteps
+
+    def __init__(self, host: Host | None, *, average_every: int = DEFAULT_EVERY,
+                 average_optimizer_state: bool = False, **options: Any) -> None:
+        super().__init__(host, **options)
+        self.every = _every({"average_every": average_every})
+        self.share_state = bool(average_optimizer_state)
+        self._shared: torch.Tensor | None = None  # averaged optimizer state
+        self._own: dict[int, torch.Tensor] = {}  # each worker's optimizer state
+        self._extra = 0
+        if host is not None:
+            self._extra = StateLayout.of(host.optimizer).size(host.layout.num_params)
+
+    @classmethod
+    def planned_updates(cls, batches: int, workers: int, options: dict[str, Any]) -> int:
+        steps = -(-batches // workers)
+        return -(-steps // _every(options))
+
+    @classmethod
+    def payload_size(cls, layout: FlatLayout, optimizer: OptimizerConfig,
+                     options: dict[str, Any]) -> int:
+        return layout.size + StateLayout.of(optimizer).size(layout.num_params)
+
+    async def push(self, contribution: Contribution) -> None:
+        host = self.host
+        if contribution.version != host.version:
+            host.record_event(f"worker {contribution.worker}: parameters of version "
+                              f"{contribution.version} arrived at version {host.version}; "
+                              "dropped")
+            host.drop_gradient(contribution, "its round closed without it")
+            return
+        await self.enter(contribution)
+
+    def complete(self) -> bool:
+        return not self.waiting_for()
+
+    async def close_round(self, contributions: list[Contribution]) -> None:
+        values = await self.host.serially(self._average, contributions)
+        await self.host.set_state(contributions, values)
+
+    def _average(self, contributions: list[Contribution]) -> torch.Tensor | None:
+        size = self.host.layout.size
+        for c in contributions:
+            if self._extra and not self.share_state:
+                self._own[c.worker] = torch.from_numpy(np.array(c.grads[size:]))
+        used = [c for c in sorted(contributions, key=lambda c: c.worker) if c.count > 0]
+        if not used:
+            return None
+        total = float(sum(c.count for c in used))
+        mean = torch.zeros(len(used[0].grads), dtype=torch.float32)
+        for c in used:
+            mean.add_(torch.from_numpy(np.asarray(c.grads)), alpha=c.count / total)
+        if self._extra and self.share_state:
+            self._shared = mean[size:].clone()
+        return mean[:size]
+
+    def reply(self, worker: int) -> np.ndarray | None:
+        if not self._extra:
+            return None
+        size = self.host.layout.size
+        out = np.empty(size + self._extra, dtype=np.float32)
+        out[:size] = self.host.values.numpy()
+        state = self._shared if self.share_state else self._own.get(worker)
+        out[size:] = 0.0 if state is None else state.numpy()
+        return out
+
+    def start_position(self, worker: int, recorded: int) -> int:
+        # Rounds of this epoch so far, K steps each: where every worker last agreed.
+        return (self.host.version - self.host.epoch_start) * self.every
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shared": None if self._shared is None else self._shared.clone(),
+                "own": {w: t.clone() for w, t in self._own.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shared = state.get("shared")
+        self._shared = None if shared is None else shared.clone()
+        self._own = {int(w): t.clone() for w, t in state.get("own", {}).items()}

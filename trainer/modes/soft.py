@@ -1,0 +1,105 @@
+"""``soft``: apply the average of the first ``wait_for`` (S) gradients to arrive.
+
+Soft synchronisation: an update waits for S gradients, not all N, so one slow worker does
+not hold every step back. A gradient computed on parameters that have changed since (its
+worker was among the slow ones) is *late*: with ``late="next"`` (the default) it joins the
+next update, with its staleness recorded; with ``late="drop"`` it is recorded as dropped
+and its worker continues from the current parameters. Each push returns once the update
+that took it is applied, with the parameters after it.
+
+With fewer live workers than S (some finished their share of the epoch, or died) an
+update waits for the live ones. S = N is ``sync``'s update in non-lock-step form: the same
+averages, the same parameters. Options of :mod:`.adjust` apply too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dasktrain.trainer.modes.adjust import StaleGradientMode
+from dasktrain.trainer.modes.base import Contribution, Host
+from dasktrain.trainer.modes.rounds import RoundMode
+
+__all__ = ["SoftMode"]
+
+LATE = ("next", "drop")
+
+
+class SoftMode(RoundMode, StaleGradientMode):
+    name = "soft"
+
+    def __init__(self, host: Host | None, *, wait_for: int | None = None,
+                 late: str = "next", **options: Any) -> None:
+        super().__init__(host, **options)
+        if wait_for is not None and (not isinstance(wait_for, int) or wait_for < 1):
+            raise ValueError(f"wait_for must be a positive integer, got {wait_for!r}")
+        if late not in LATE:
+            raise ValueError(f"late must be one of {LATE}, got {late!r}")
+        if host is not None and wait_for is not None and wait_for > host.workers:
+            raise ValueError(f"wait_for={wait_for} is more than the {host.workers} workers")
+        self.late = late
+        self._wait_for = wait_for
+
+    @classmethod
+    def check(cls, workers: int, options: dict[str, Any]) -> None:
+        wait_for = options.get("wait_for")
+        if isinstance(wait_for, int) and wait_for > workers:
+            raise ValueError(f"wait_for={wait_for} is more than the {workers} workers")
+        super().check(workers, options)
+
+    @property
+    def wait_for(self) -> int:
+        """S; by default all workers but one (at least one)."""
+        if self._wait_for is not None:
+            return self._wait_for
+        return max(1, self.host.workers - 1)
+
+    @classmethod
+    def planned_updates(cls, batches: int, workers: int, options: dict[str, Any]) -> int:
+        wait_for = options.get("wait_for") or max(1, workers - 1)
+        return -(-batches // wait_for)
+
+    async def push(self, contribution: Contribution) -> None:
+        if contribution.grads is None:
+            return
+        if self.late == "drop" and contribution.version < self.host.version:
+            self.host.drop_gradient(contribution, "late")
+            return
+        # Counted now, in order with checkpoints, which store the round with it.
+        await self.host.serially(self.host.hold, contribution)
+        # No copy: the payload stays valid until this returns, after the round applies.
+        await self.enter(contribution)
+
+    def _needed(self) -> int:
+        live = self.host.live_workers() | self.round.keys()
+        return max(1, min(self.wait_for, len(live)))
+
+    def complete(self) -> bool:
+        return len(self.round) >= self._needed()
+
+    async def close_round(self, contributions: list[Contribution]) -> None:
+        await self.host.apply(contributions, adjust=self.adjust)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "round": [_stored(c) for c in self.round.values()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        # Pushes that were waiting in the checkpoint's round: their workers resume after
+        # those batches, so the gradients are applied with the round they were in.
+        self.round.clear()
+        self.round.update({c.worker: c for c in map(_restored, state.get("round", []))})
+
+
+def _stored(c: Contribution) -> dict[str, Any]:
+    return {"worker": c.worker, "version": c.version, "grads": torch.from_numpy(c.grads.copy()),
+            "count": c.count, "loss": c.loss, "position": list(c.position), "clock": c.clock}
+
+
+def _restored(values: dict[str, Any]) -> Contribution:
+    return Contribution(int(values["worker"]), int(values["version"]),
+                        values["grads"].numpy(), int(values["count"]), float(values["loss"]),
+                        (int(values["position"][0]), int(values["position"][1])),
+                        int(values["clock"]), held=True)
