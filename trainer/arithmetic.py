@@ -39,6 +39,8 @@ _SPARE_BUFFERS = 4  # released copies kept for reuse (fresh allocations cost pag
 def as_tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor over ``array`` without a copy (received buffers may be read-only; they are
     only ever read)."""
+    if array.flags.writeable:  # the common case, without the cost of catching warnings
+        return torch.from_numpy(array)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)

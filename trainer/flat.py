@@ -28,6 +28,15 @@ class FlatLayout:
 
     params: tuple[tuple[str, tuple[int, ...]], ...]
     buffers: tuple[tuple[str, tuple[int, ...]], ...]
+    # Derived once: the holder asks for them on every update.
+    _num_params: int = dataclasses.field(init=False, repr=False, compare=False)
+    _num_buffers: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_num_params",
+                           sum(int(np.prod(s, dtype=np.int64)) for _, s in self.params))
+        object.__setattr__(self, "_num_buffers",
+                           sum(int(np.prod(s, dtype=np.int64)) for _, s in self.buffers))
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> FlatLayout:
@@ -41,11 +50,11 @@ class FlatLayout:
 
     @property
     def num_params(self) -> int:
-        return sum(int(np.prod(s)) for _, s in self.params)
+        return self._num_params
 
     @property
     def num_buffers(self) -> int:
-        return sum(int(np.prod(s)) for _, s in self.buffers)
+        return self._num_buffers
 
     @property
     def size(self) -> int:
