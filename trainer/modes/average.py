@@ -117,14 +117,7 @@ class AverageMode(RoundMode):
         return layout.size + StateLayout.of(optimizer).size(layout.num_params)
 
     async def push(self, contribution: Contribution) -> None:
-        host = self.host
-        if contribution.version != host.version:
-            host.record_event(f"worker {contribution.worker}: parameters of version "
-                              f"{contribution.version} arrived at version {host.version}; "
-                              "dropped")
-            host.drop_gradient(contribution, "its round closed without it")
-            return
-        await self.enter(contribution)
+        await self.enter_if_current(contribution, "parameters")
 
     def complete(self) -> bool:
         return not self.waiting_for()

@@ -33,6 +33,21 @@ class RoundMode(UpdateMode):
         """Apply a completed round."""
         raise NotImplementedError
 
+    async def enter_if_current(self, contribution: Contribution, what: str) -> None:
+        """:meth:`enter` a lock-step round, unless ``contribution`` (``what``: "gradient",
+        "parameters") was computed on parameters whose round has closed without it (its
+        worker was dropped, then came back): applying it now would break the barrier's
+        promise, so it is recorded as dropped."""
+        host = self.host
+        if contribution.version != host.version:
+            host.record_event(f"worker {contribution.worker}: {what} of version "
+                              f"{contribution.version} arrived at version {host.version}; "
+                              "dropped")
+            if contribution.grads is not None:
+                host.drop_gradient(contribution, "its round closed without it")
+            return
+        await self.enter(contribution)
+
     async def enter(self, contribution: Contribution) -> None:
         """Put ``contribution`` in the current round; return once that round is applied."""
         self._round[contribution.worker] = contribution

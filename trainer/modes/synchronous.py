@@ -20,17 +20,7 @@ class SyncMode(RoundMode):
     lockstep = True
 
     async def push(self, contribution: Contribution) -> None:
-        host = self.host
-        if contribution.version != host.version:
-            # Computed on parameters whose round has closed without it (its worker was
-            # dropped, then came back): applying it now would break the barrier's promise.
-            host.record_event(f"worker {contribution.worker}: gradient for version "
-                              f"{contribution.version} arrived at version {host.version}; "
-                              "dropped")
-            if contribution.grads is not None:
-                host.drop_gradient(contribution, "its round closed without it")
-            return
-        await self.enter(contribution)
+        await self.enter_if_current(contribution, "gradient")
 
     def complete(self) -> bool:
         return not self.waiting_for()
