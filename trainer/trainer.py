@@ -301,8 +301,9 @@ class Trainer:
         total_steps = sum(kind.planned_updates(b, self.workers, self.mode_options)
                           for b in per_epoch)
         epoch_steps = tuple(math.ceil(b / self.workers) for b in per_epoch)
+        schedule = kind.schedule_length(epoch_steps, total_steps, self.mode_options)
         if state is not None:
-            total_steps = self._check_resumable(state, dataset, epochs, total_steps)
+            self._check_resumable(state, dataset, epochs, schedule, epoch_steps)
         history = _checkpoint_history(state, resume) if state else \
             History(mode=self.mode, workers=self.workers)
         start = int(state["complete_epochs"]) if state else 0
@@ -330,6 +331,7 @@ class Trainer:
                              checkpoint_extra=lambda: {
                                  "trainer": self._config(),
                                  "run": {"epochs": epochs, "total_steps": total_steps,
+                                         "schedule_steps": schedule,
                                          "dataset": _dataset_key(dataset)}},
                              history=history, progress=bar)
                 try:
@@ -381,8 +383,8 @@ class Trainer:
         self._load(run.parameters())
 
     def _check_resumable(self, state: dict[str, Any], dataset: Dataset, epochs: int,
-                         total_steps: int) -> int:
-        """Refuse a resume that would change the run; returns the schedule's total steps.
+                         schedule: int, epoch_steps: tuple[int, ...]) -> None:
+        """Refuse a resume that would change the run.
 
         Every setting that decides which batches are drawn or how they are applied must
         match the checkpoint's, named in the error if not. More (or fewer) epochs are
@@ -399,18 +401,19 @@ class Trainer:
         if run.get("dataset") not in (None, _dataset_key(dataset)):
             raise ValueError(f"cannot resume: the checkpoint was made on dataset "
                              f"{run['dataset']!r}, this fit is on {_dataset_key(dataset)!r}")
-        before = run.get("total_steps", state["holder"].get("total_steps"))
-        if before is not None and before != total_steps:
-            step = int(state["holder"]["updates"])
-            old, new = self.optimizer.lr_at(step, before), self.optimizer.lr_at(step,
-                                                                                 total_steps)
+        before = run.get("schedule_steps", run.get("total_steps",
+                                                    state["holder"].get("total_steps")))
+        if before is not None and before != schedule:
+            kind = mode_class(self.mode)
+            step = kind.schedule_position(state["holder"], epoch_steps, self.mode_options)
+            old = self.optimizer.lr_at(step, before)
+            new = self.optimizer.lr_at(step, schedule)
             note = (f"resuming with epochs={epochs} (the checkpoint's run had "
-                    f"{run.get('epochs', '?')}): the schedule now spans {total_steps} "
-                    f"updates instead of {before}")
+                    f"{run.get('epochs', '?')}): the schedule now spans {schedule} "
+                    f"steps instead of {before}")
             if old != new:
-                warnings.warn(f"{note}, so the learning rate at update {step} changes from "
+                warnings.warn(f"{note}, so the learning rate at step {step} changes from "
                               f"{old:.4g} to {new:.4g}", stacklevel=3)
-        return total_steps
 
     def _progress_bar(self, total: int, initial: int) -> Any:
         if not self.show_progress:

@@ -16,6 +16,7 @@ the optimizer state is averaged too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,21 @@ class AverageMode(RoundMode):
     def planned_updates(cls, batches: int, workers: int, options: dict[str, Any]) -> int:
         steps = -(-batches // workers)
         return -(-steps // _every(options))
+
+    @classmethod
+    def schedule_length(cls, epoch_steps: Sequence[int], updates: int,
+                        options: dict[str, Any]) -> int:
+        # The workers' optimizers step every batch: the schedule counts local steps.
+        return sum(epoch_steps)
+
+    @classmethod
+    def schedule_position(cls, holder_state: dict[str, Any], epoch_steps: Sequence[int],
+                          options: dict[str, Any]) -> int:
+        epoch = int(holder_state["epoch"])
+        rounds = int(holder_state["version"]) - int(holder_state["epoch_start"])
+        return sum(epoch_steps[:epoch]) + min(rounds * _every(options),
+                                              epoch_steps[epoch] if epoch < len(epoch_steps)
+                                              else 0)
 
     @classmethod
     def payload_size(cls, layout: FlatLayout, optimizer: OptimizerConfig,

@@ -168,6 +168,21 @@ class UpdateMode:
         return -(-batches // workers) if cls.lockstep else batches
 
     @classmethod
+    def schedule_length(cls, epoch_steps: Sequence[int], updates: int,
+                        options: dict[str, Any]) -> int:
+        """Steps the learning-rate schedule spans: by default the holder's ``updates``
+        (its optimizer steps); ``epoch_steps`` are the lock-step steps of each epoch."""
+        del epoch_steps, options
+        return updates
+
+    @classmethod
+    def schedule_position(cls, holder_state: dict[str, Any], epoch_steps: Sequence[int],
+                          options: dict[str, Any]) -> int:
+        """The schedule's step at a holder checkpoint (by default its optimizer steps)."""
+        del epoch_steps, options
+        return int(holder_state["updates"])
+
+    @classmethod
     def payload_size(cls, layout: FlatLayout, optimizer: OptimizerConfig,
                      options: dict[str, Any]) -> int:
         """Values in one push and one reply."""
