@@ -326,6 +326,7 @@ class ParameterHolder:
                 f"+ {self.layout.num_buffers} buffer values"
                 f"{' + optimizer state' if self._payload_size > self.layout.size else ''})"
                 ": the worker's model differs from the holder's")
+        self._members.heard(worker)
         state = self._members.state(worker)
         if state != "active":
             self.record_event(f"worker {worker} came back (was {state})")

@@ -70,6 +70,10 @@ class Membership:
             member.address = address
         return before
 
+    def heard(self, worker: int) -> None:
+        """``worker`` pushed: whatever it is waited for, it is not silent."""
+        self._members[worker].waiting_since = None
+
     def counted(self, worker: int, position: tuple[int, int]) -> None:
         """One more contribution of ``worker``, which has now consumed ``position``."""
         self.clocks[worker] += 1
@@ -147,4 +151,4 @@ class Watchdog:
             if alive is not None and address is not None and address not in alive:
                 await self._drop(w, f"its Dask worker {address} is gone")
             elif self.membership.waited(w, now) > self.timeout:
-                await self._drop(w, f"nothing for {self.timeout:.0f}s")
+                await self._drop(w, f"nothing for {self.timeout:g}s")

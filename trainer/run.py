@@ -153,6 +153,11 @@ class FitRun:
         except BaseException as exc:
             self._stop_workers(futures, exc)
             raise
+        finally:
+            # Dask's wait may leave this frame in a reference cycle: emptied lists let the
+            # tasks' results go now, so a later worker death cannot rerun a finished task.
+            futures.clear()
+            pending.clear()
         self.poll()
         return reports
 

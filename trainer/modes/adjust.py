@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dasktrain.trainer.arithmetic import as_tensor
+from dasktrain.trainer.divergence import all_finite
 from dasktrain.trainer.modes.base import Adjusted, Contribution, Host, UpdateMode
 
 __all__ = ["StaleGradientMode", "staleness_rule"]
@@ -144,6 +145,10 @@ class StaleGradientMode(UpdateMode):
         n = self.host.layout.num_params
         grads = as_tensor(c.grads)
         g = grads[:n]
+        if not all_finite(g):
+            # The holder refuses it: it must not reach the running mean square either,
+            # where it would poison every later gradient.
+            return c.grads, False
         if self.dc_adaptive:
             square = g * g
             if self._mean_square is None:

@@ -1,0 +1,70 @@
+"""The README's example of a new mode is real code: it runs against a holder as written."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dasktrain.trainer import modes
+from dasktrain.trainer.holder import ParameterHolder
+from tests.common.training import zeros_holder
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _example_module() -> types.ModuleType:
+    text = README.read_text()
+    found = re.search(r"```python\n(# trainer/modes/bounded\.py\n.*?)```", text, re.S)
+    assert found, "the README lost its example mode"
+    module = types.ModuleType("bounded_example")
+    sys.modules[module.__name__] = module  # dataclasses and typing look modules up
+    exec(compile(found.group(1), "README.md (example mode)", "exec"), module.__dict__)
+    return module
+
+
+@pytest.fixture
+def bounded(monkeypatch):
+    """The example mode, with its one registry entry."""
+    mode = _example_module().BoundedMode
+    monkeypatch.setitem(modes.MODES, "bounded", mode)
+    yield mode
+    sys.modules.pop("bounded_example", None)
+
+
+def test_the_readme_example_mode_applies_fresh_gradients_and_drops_stale_ones(bounded):
+    async def scenario():
+        config = zeros_holder(3, workers=2, mode="bounded")
+        config.mode_options = {"max_staleness": 1}
+        holder = ParameterHolder(config)
+        for w in range(2):
+            await holder.join(w, None, holder.layout)
+        g = np.ones(3, dtype=np.float32)
+        for step in range(3):  # worker 0 moves the holder to version 3
+            await holder.push(0, holder.version, g, 1, 0.5, (0, step + 1))
+        await holder.push(1, 2, g, 1, 0.5, (0, 1))  # staleness 1: applied
+        await holder.push(1, 0, g, 1, 0.5, (0, 2))  # staleness 4: dropped
+        await holder.push(1, 4, g, 1, 0.5, (0, 3))  # the drop is recorded with this update
+        params, version = await holder.pull()
+        records = (await holder.progress())["records"]
+        await holder.close()
+        return params, version, records
+
+    params, version, records = asyncio.run(scenario())
+    assert version == 5
+    np.testing.assert_array_equal(params, np.full(3, -5.0, dtype=np.float32))
+    assert records["dropped"] == [False, False, False, False, True, False]
+    assert records["staleness"] == [0, 0, 0, 1, 4, 0]
+    assert records["gradients"] == [1, 1, 1, 1, 2]
+
+
+def test_the_readme_example_mode_refuses_bad_options(bounded):
+    with pytest.raises(ValueError, match="max_staleness"):
+        modes.mode_class("bounded").check(2, {"max_staleness": -1})
+    with pytest.raises(ValueError, match="takes no option"):
+        modes.mode_class("bounded").check(2, {"staleness_bound": 1})
