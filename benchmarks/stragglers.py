@@ -1,0 +1,395 @@
+"""W3, stragglers: every update mode with one trainer worker 3x slower, and without.
+
+Problem (non-convex, where staleness hurts): teacher-student classification. 24,576 rows of
+32 standard normal features; the label is the argmax over 10 classes of a fixed random
+teacher network (32 -> 64 tanh -> 10). The student is an MLP 32 -> 128 tanh -> 128 tanh -> 10
+(22k parameters) trained with cross-entropy and SGD, lr 0.2, momentum 0.9: high enough that
+gradients computed on parameters a few updates old overshoot (plain ``async`` ends far above
+``sync``), low enough for ``sync`` to train well. ``--model linear`` trains softmax
+regression on the same data instead, the convex contrast: there plain ``async`` is about as
+good as ``sync`` and delay compensation has nothing to fix.
+
+Setup: a LocalCluster of 2 processes on 127.0.0.1 (the machine has 2 cores, 2 threads per
+process), 3 trainer workers (long-running tasks, ``torch_threads=1``), batches of 128 per
+worker. The straggler is the trainer worker of rank ``--slow-rank`` (default 2): its loss
+function, after computing the loss, sleeps (``--slowdown`` - 1) = 2 x the measured time of
+one step of an unhindered worker, so that its steps take 3x as long. A step is forward,
+backward and the exchange with the parameter holder (here the exchange costs more than the
+0.7 ms of compute); the step time is the median time between updates of an untimed
+warm-up ``sync`` fit of one epoch without a straggler (then a warm-up ``average`` fit: the
+first torch optimizer a worker process builds imports ``torch._dynamo``, about 1 s, which
+would otherwise land in the first timed ``average`` fit). The loss knows it runs
+in the straggler from the key of the Dask task it is called in
+(``get_worker().get_current_task()``; the trainer names its tasks
+``dasktrain-trainer-<rank>-epoch-<epoch>-...``): no global state, and the same loss object
+serves every worker; ``Trainer.evaluate`` on the driver runs in no task and never sleeps.
+Sleeping releases the CPU, as a slow GPU or a slow node would. The run checks the straggler
+took effect: in ``async`` it makes nearly all of the last gradients of each epoch.
+
+For every mode (defaults first, then the options of :mod:`dasktrain.trainer.modes.adjust`:
+staleness-scaled learning rate, delay compensation DC-ASGD with constant and adaptive λ),
+without and with the straggler, one configuration after the other (so both see the same
+load on the machine): wall time from the call to ``fit`` and updates (and samples) until the
+smoothed training loss (sample-weighted mean of the update losses over the last
+``--window`` samples, so that 1-gradient and N-gradient updates are smoothed alike) first
+reaches the target, the final loss (mean cross-entropy of the final model on the whole
+training set; "diverged" when the fit stopped on a non-finite loss), mean / max staleness of
+the applied gradients, and the wall time of the whole fit. The target is
+``--target-factor`` (1.1) x the smoothed loss ``sync`` without a straggler ends with (median
+over repeats); the same target for every run. ``--only LABEL...`` runs some configurations
+(``sync`` always runs, for the target), among them more than the default ones (``EXTRA``).
+
+Run: ``.venv/bin/python benchmarks/stragglers.py`` (``--epochs 4 --repeats 2``; medians of
+the repeats; about 3.5 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import torch
+from distributed import Client, LocalCluster, get_worker
+
+import dasktrain as dt
+
+ROWS, FEATURES, CLASSES, HIDDEN, BATCH = 24_576, 32, 10, 128, 128
+WORKERS = 3
+MOMENTUM = 0.9
+_RANK = re.compile(r"dasktrain-trainer-(\d+)-epoch-")
+
+# (label, mode, options): every mode at its default-ish settings, then the stale-gradient
+# options (staleness-scaled learning rate, delay compensation) on the modes that take them.
+CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("sync", "sync", {}),
+    ("average K=4", "average", {"average_every": 4}),
+    ("soft S=2", "soft", {"wait_for": WORKERS - 1}),
+    ("ssp s=2", "ssp", {"staleness_bound": 2}),
+    ("async", "async", {}),
+    ("async lr/(1+τ)", "async", {"staleness_lr": "inverse"}),
+    ("async DC λ=0.04", "async", {"dc_lambda": 0.04}),
+    ("async DC-a λ=2", "async", {"dc_lambda": 2.0, "dc_adaptive": True}),
+    ("async DC-a λ=32", "async", {"dc_lambda": 32.0, "dc_adaptive": True}),
+    ("soft S=2 lr/(1+τ)", "soft", {"wait_for": WORKERS - 1, "staleness_lr": "inverse"}),
+    ("ssp s=2 DC-a λ=32", "ssp", {"staleness_bound": 2, "dc_lambda": 32.0,
+                                  "dc_adaptive": True}),
+]
+# More, run only when named in --only (to keep the default run short).
+EXTRA: list[tuple[str, str, dict[str, Any]]] = [
+    ("async lr/√(1+τ)", "async", {"staleness_lr": "sqrt"}),
+    ("async DC λ=1", "async", {"dc_lambda": 1.0}),
+    ("async DC-a λ=8", "async", {"dc_lambda": 8.0, "dc_adaptive": True}),
+    ("ssp s=2 lr/(1+τ)", "ssp", {"staleness_bound": 2, "staleness_lr": "inverse"}),
+    ("soft S=2 DC-a λ=32", "soft", {"wait_for": WORKERS - 1, "dc_lambda": 32.0,
+                                    "dc_adaptive": True}),
+    ("soft S=2 drop late", "soft", {"wait_for": WORKERS - 1, "late": "drop"}),
+    ("average K=1", "average", {"average_every": 1}),
+    ("average K=16", "average", {"average_every": 16}),
+]
+
+
+def student(kind: str = "mlp") -> torch.nn.Module:
+    """The network trained (``"linear"``: softmax regression, a convex contrast)."""
+    torch.manual_seed(0)  # the holder builds it once: every run starts from the same weights
+    if kind == "linear":
+        return torch.nn.Linear(FEATURES, CLASSES)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def make_data(directory: Path, client: Client) -> dt.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((ROWS, FEATURES), dtype=np.float32)
+    w1 = rng.standard_normal((FEATURES, 64)) * 2 / np.sqrt(FEATURES)
+    w2 = rng.standard_normal((64, CLASSES)) / np.sqrt(64)
+    y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
+    np.save(directory / "x.npy", x)
+    np.save(directory / "y.npy", y)
+    return dt.prepare(directory / "x.npy", directory / "w3.zarr", client=client,
+                      target=str(directory / "y.npy"), chunk_rows=4096, progress=False)
+
+
+class StragglerLoss:
+    """Cross-entropy; in the trainer worker of rank ``slow_rank`` it then sleeps ``delay_s``.
+
+    Defined at module level so that it pickles to the workers. The rank comes from the key of
+    the Dask task the loss is called in (a trainer worker's task; anywhere else, e.g. in
+    ``Trainer.evaluate`` on the driver, there is no task and no sleep)."""
+
+    def __init__(self, slow_rank: int | None = None, delay_s: float = 0.0) -> None:
+        self.slow_rank, self.delay_s = slow_rank, delay_s
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(output, target)
+        if self.slow_rank is not None and self.delay_s > 0 and _rank() == self.slow_rank:
+            time.sleep(self.delay_s)
+        return loss
+
+
+def _rank() -> int | None:
+    try:
+        key = get_worker().get_current_task()
+    except ValueError:  # not in a Dask worker
+        return None
+    match = _RANK.match(str(key)) if key is not None else None
+    return int(match.group(1)) if match else None
+
+
+def smoothed(history: dt.History, window: int) -> np.ndarray:
+    """Per update: the sample-weighted mean loss of the updates covering the last ``window``
+    samples (so that modes with 1-gradient and N-gradient updates are smoothed alike)."""
+    loss = np.asarray(history.loss, dtype=float)
+    samples = np.asarray(history.samples, dtype=float)
+    weighted = np.concatenate([[0.0], np.cumsum(loss * samples)])
+    counted = np.concatenate([[0.0], np.cumsum(samples)])
+    ends = np.arange(1, len(loss) + 1)
+    # The latest start whose updates still cover ``window`` samples (0 early on).
+    starts = np.maximum(np.searchsorted(counted, counted[ends] - window, side="right") - 1, 0)
+    return (weighted[ends] - weighted[starts]) / (counted[ends] - counted[starts])
+
+
+def fit(client: Client, data: dt.Dataset, mode: str, options: dict[str, Any], lr: float,
+        epochs: int, loss: StragglerLoss, model: str = "mlp"
+        ) -> tuple[dt.History, float, float]:
+    """One fit; returns its History, its start (wall clock) and the final model's loss."""
+    trainer = dt.Trainer(functools.partial(student, model), loss,
+                         dt.optim.sgd(lr, momentum=MOMENTUM), mode=mode, workers=WORKERS,
+                         batch_size=BATCH, progress=False, torch_threads=1, **options)
+    started = time.time()
+    try:
+        history = trainer.fit(data, epochs=epochs, client=client)
+    except dt.TrainingDiverged as exc:  # a result too: the final loss reads "diverged"
+        return exc.history, started, math.inf
+    final = trainer.evaluate(data, batch_size=4096, client=client)["loss"]
+    return history, started, final
+
+
+def measure(history: dt.History, started: float, final: float, target: float | None,
+            window: int) -> dict[str, float]:
+    curve = smoothed(history, window)
+    reached = np.flatnonzero(curve <= target) if target is not None else np.array([])
+    applied = history.applied_staleness
+    return {
+        "to_target_s": float(history.time[reached[0]] - started) if reached.size else np.nan,
+        "updates_to_target": float(reached[0] + 1) if reached.size else np.nan,
+        "samples_to_target": float(np.sum(history.samples[:reached[0] + 1]))
+        if reached.size else np.nan,
+        "final_smoothed": float(curve[-1]),
+        "final_loss": final,
+        "mean_staleness": float(np.mean(applied)) if applied else 0.0,
+        "max_staleness": float(max(applied, default=0)),
+        "updates": float(history.updates),
+        "wall_s": history.wall_time,
+    }
+
+
+def step_time(history: dt.History) -> float:
+    """Median time between consecutive updates of an unhindered ``sync`` fit: one step of
+    every worker (the median leaves out the odd slow one, e.g. the first)."""
+    gaps = np.diff(np.asarray(history.time))
+    return float(np.median(gaps))
+
+
+def per_batch_compute(kind: str) -> float:
+    """Forward + backward of one batch on this process, 1 thread (for the record)."""
+    model, x = student(kind), torch.randn(BATCH, FEATURES)
+    y = torch.randint(0, CLASSES, (BATCH,))
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[10:])
+
+
+def summarise(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over repeats; times and updates to target over the repeats that reached it."""
+    out: dict[str, Any] = {name: float(np.median([r[name] for r in rows])) for name in rows[0]}
+    hits = [r for r in rows if not np.isnan(r["to_target_s"])]
+    for name in ("to_target_s", "updates_to_target", "samples_to_target"):
+        out[name] = float(np.median([r[name] for r in hits])) if hits else np.nan
+    out["reached"] = "" if len(hits) in (0, len(rows)) else f" ({len(hits)}/{len(rows)})"
+    return out
+
+
+def tail_share(history: dt.History, epochs: int, rank: int) -> float:
+    """Share of ``rank``'s gradients among the last quarter of each epoch's gradients."""
+    workers = np.asarray(history.staleness_worker)
+    per_epoch = len(workers) // epochs
+    tails = [workers[e * per_epoch + per_epoch * 3 // 4:(e + 1) * per_epoch]
+             for e in range(epochs)]
+    return float(np.mean(np.concatenate(tails) == rank))
+
+
+def reading(table: dict[tuple[str, bool], dict[str, Any]],
+            configs: list[tuple[str, str, dict[str, Any]]]) -> str:
+    """A few sentences read off the table."""
+    labels = [label for label, _, _ in configs]
+    lines = ["Reading:"]
+    for straggler, name in ((False, "without"), (True, "with")):
+        reached = sorted((table[(lab, straggler)]["to_target_s"], lab) for lab in labels
+                         if not np.isnan(table[(lab, straggler)]["to_target_s"]))
+        missed = [lab for lab in labels if np.isnan(table[(lab, straggler)]["to_target_s"])]
+        ranked = ", ".join(f"{lab} {t:.2f} s" for t, lab in reached)
+        lines.append(f"* {name} the straggler, to target: {ranked or 'none reached it'}"
+                     + (f"; never reached: {', '.join(missed)}" if missed else "") + ".")
+    walls = {lab: table[(lab, True)]["wall_s"] for lab in labels
+             if math.isfinite(table[(lab, True)]["final_loss"]) or lab == "sync"}
+    lines.append(f"* fit wall time with the straggler: {min(walls.values()):.2f} to "
+                 f"{max(walls.values()):.2f} s across the modes that did not diverge (sync "
+                 f"{walls['sync']:.2f} s, "
+                 f"{walls['sync'] / table[('sync', False)]['wall_s']:.2f}x its time without). "
+                 "Every worker has a fixed 1/N shard of each epoch, so no mode ends an epoch "
+                 "before the straggler has done its shard: soft and async, which do not wait "
+                 "for it, only move the fast workers' updates earlier in the epoch, after "
+                 "which the straggler trains alone; ssp lets the others run s clocks ahead of "
+                 "it, no more.")
+    better = [lab for lab in labels
+              if table[(lab, True)]["final_loss"] < 0.95 * table[(lab, False)]["final_loss"]]
+    if better:
+        lines.append(f"* final loss clearly lower with the straggler than without: "
+                     f"{', '.join(better)}: their gradients are less stale with it (see the "
+                     "staleness column): in async and soft the straggler trains alone, on "
+                     "fresh parameters, once the fast workers are through their shards; in ssp "
+                     "the bound holds the fast workers back to its pace.")
+    best = min(labels, key=lambda lab: table[(lab, True)]["final_loss"])
+    lines.append(f"* lowest final loss with the straggler: {best} "
+                 f"({_loss(table[(best, True)]['final_loss'])}; sync "
+                 f"{_loss(table[('sync', True)]['final_loss'])}).")
+    if "async" in labels:
+        plain = table[("async", False)]["final_loss"], table[("async", True)]["final_loss"]
+        for lab in labels:
+            if lab.startswith("async") and lab != "async":
+                mine = table[(lab, False)]["final_loss"], table[(lab, True)]["final_loss"]
+                pairs = list(zip(mine, plain, strict=True))
+                better = [m < 0.98 * p for m, p in pairs]
+                worse = [m > 1.02 * p for m, p in pairs]
+                verdict = ("helps" if all(better) else "hurts" if any(worse) and not any(better)
+                           else "mixed" if any(better) and any(worse)
+                           else "no clear effect (within 2%)" if not any(better)
+                           else "helps in one of the two")
+                lines.append(f"* {lab} against plain async, final loss without / with the "
+                             f"straggler: {_loss(mine[0])} / {_loss(mine[1])} against "
+                             f"{_loss(plain[0])} / {_loss(plain[1])}: {verdict}.")
+    return "\n".join(lines)
+
+
+def _loss(value: float) -> str:
+    return "diverged" if math.isinf(value) else f"{value:.4f}"
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "—" if value is None or np.isnan(value) else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--slow-rank", type=int, default=WORKERS - 1)
+    parser.add_argument("--slowdown", type=float, default=3.0,
+                        help="how many times slower the straggler's steps are (default 3)")
+    parser.add_argument("--window", type=int, default=3072,
+                        help="samples in the training-loss smoothing window (default 3072)")
+    parser.add_argument("--target-factor", type=float, default=1.1)
+    parser.add_argument("--model", choices=("mlp", "linear"), default="mlp",
+                        help="mlp (default, non-convex) or linear (softmax regression, convex)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="labels of the configurations to run (default: all but the "
+                        "extra ones)")
+    args = parser.parse_args()
+    if not 0 <= args.slow_rank < WORKERS:
+        parser.error(f"--slow-rank must be in [0, {WORKERS})")
+    torch.set_num_threads(1)
+    configs = [c for c in CONFIGS + EXTRA if c[0] in args.only] if args.only else CONFIGS
+    unknown = set(args.only or ()) - {c[0] for c in CONFIGS + EXTRA}
+    if unknown:
+        parser.error(f"unknown configuration(s) {sorted(unknown)}; known: "
+                     f"{[c[0] for c in CONFIGS + EXTRA]}")
+    if not configs or configs[0][0] != "sync":
+        configs = [CONFIGS[0], *[c for c in configs if c[0] != "sync"]]
+    compute_s = per_batch_compute(args.model)
+    results: dict[tuple[str, bool], list[tuple[dt.History, float, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
+                         dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        data = make_data(Path(tmp), client)
+        t0 = time.perf_counter()
+        warm, _, _ = fit(client, data, "sync", {}, args.lr, 1, StragglerLoss(), args.model)
+        step_s = step_time(warm)
+        # The first torch optimizer a process builds imports torch._dynamo (about 1 s): in
+        # ``average`` the workers build one, so warm that up too, untimed.
+        fit(client, data, "average", {}, args.lr, 1, StragglerLoss(), args.model)
+        delay_s = (args.slowdown - 1) * step_s
+        print(f"per-batch forward+backward {compute_s * 1e3:.2f} ms; unhindered sync step "
+              f"{step_s * 1e3:.2f} ms (warm-up fits {time.perf_counter() - t0:.1f} s); the "
+              f"straggler (rank {args.slow_rank}) sleeps {delay_s * 1e3:.2f} ms per batch",
+              flush=True)
+        # Each configuration without, then with the straggler, next to each other: both
+        # see the same load on the machine.
+        for _ in range(args.repeats):
+            for label, mode, options in configs:
+                for straggler in (False, True):
+                    loss = StragglerLoss(args.slow_rank, delay_s) if straggler \
+                        else StragglerLoss()
+                    run = fit(client, data, mode, options, args.lr, args.epochs, loss,
+                              args.model)
+                    results.setdefault((label, straggler), []).append(run)
+                    h = run[0]
+                    print(f"  {label:20s} straggler={straggler!s:5s} {h.wall_time:6.2f} s, "
+                          f"{h.updates} updates, final loss {run[2]:.4f}", flush=True)
+    sync_end = statistics.median(smoothed(h, args.window)[-1]
+                                 for h, _, _ in results[("sync", False)])
+    target = args.target_factor * sync_end
+    table = {key: summarise([measure(h, s, f, target, args.window) for h, s, f in runs])
+             for key, runs in results.items()}
+
+    print(f"\nTarget: smoothed training loss <= {target:.4f} ({args.target_factor:g} x the "
+          f"{sync_end:.4f} sync ends with, no straggler). {WORKERS} workers, batch {BATCH} "
+          f"each, {args.epochs} epochs of {ROWS} rows, {args.model}, SGD lr {args.lr:g} "
+          f"momentum {MOMENTUM:g}; straggler: rank {args.slow_rank}, {args.slowdown:g}x "
+          "slower.\n")
+    print("| mode | straggler | time to target (s) | updates (k samples) to target | final loss "
+          "| mean / max staleness | fit wall (s) | x slower with it: to target, fit |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, _, _ in configs:
+        for straggler in (False, True):
+            r, none = table[(label, straggler)], table[(label, False)]
+            ratio = (f"{_fmt(r['to_target_s'] / none['to_target_s'], '.2f')}, "
+                     f"{r['wall_s'] / none['wall_s']:.2f}") if straggler else ""
+            print(f"| {'' if straggler else label} | {'3x slow' if straggler else 'none'} "
+                  f"| {_fmt(r['to_target_s'], '.2f')}{r['reached']} "
+                  f"| {_fmt(r['updates_to_target'], '.0f')} "
+                  f"({_fmt(r['samples_to_target'] / 1e3, '.1f')}) | {_loss(r['final_loss'])} "
+                  f"| {r['mean_staleness']:.2f} / {r['max_staleness']:.0f} | {r['wall_s']:.2f} "
+                  f"| {ratio} |")
+    print(f"\n(medians of {args.repeats} repeat(s), over the repeats that reached the target "
+          f"where not all did, marked k/n; — : never reached; time to target is from the call "
+          f"to fit; final loss: the final model on the whole training set; torch "
+          f"{torch.__version__})")
+    if ("async", True) in results:
+        share = statistics.median(tail_share(h, args.epochs, args.slow_rank)
+                                  for h, _, _ in results[("async", True)])
+        print(f"\nStraggler check: in async with the straggler, {share:.0%} of the last quarter "
+              f"of each epoch's gradients came from rank {args.slow_rank} (1/{WORKERS} if all "
+              "ran at the same speed; the fast workers have finished their shards by then).")
+    print("\n" + reading(table, configs))
+
+
+if __name__ == "__main__":
+    main()
