@@ -80,7 +80,8 @@ class HolderConfig:
             raise TypeError("model must be a callable returning a torch.nn.Module")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
-        mode_class(self.mode)(None, **self.mode_options)  # fails here, before any cluster work
+        # Unknown modes and bad options fail here, before any cluster work.
+        mode_class(self.mode).check(self.workers, self.mode_options)
         if self.barrier_timeout <= 0 or self.check_interval <= 0:
             raise ValueError("barrier_timeout and check_interval must be positive")
         check_policy(self.on_nonfinite, self.nonfinite_patience)
@@ -225,10 +226,6 @@ class ParameterHolder:
                                worker=contribution.worker, dropped=True, **fields)
 
     # -- membership --------------------------------------------------------------------
-    def expected_workers(self) -> set[int]:
-        """Workers a lock-step update waits for."""
-        return self._members.live()
-
     def _check_usable(self) -> None:
         if self._error is not None:
             raise self._error
@@ -373,8 +370,7 @@ class ParameterHolder:
         with_batch = [c for c in contributions if c.grads is not None and c.count > 0]
         adjusted = adjust(with_batch) if adjust is not None and with_batch else None
         lr_scale = adjusted.lr_scale if adjusted is not None else 1.0
-        batch = _items(with_batch, adjusted)
-        used = batch
+        used = _items(with_batch, adjusted)
         refusals = [(c, f"worker {c.worker}: non-finite batch loss ({c.loss})")
                     for c, *_ in used if not math.isfinite(c.loss)]
         used = [item for item in used if math.isfinite(item[0].loss)]

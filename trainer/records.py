@@ -41,8 +41,8 @@ class Records:
     def gradient(self, *, staleness: int, worker: int, scale: float = 1.0,
                  compensated: bool = False, dropped: bool = False, **fields: Any) -> None:
         """One gradient, applied or (``dropped``) not, with the mode's own ``fields``."""
-        unknown = sorted(set(fields) - set(self._defaults))
-        if unknown:
+        if fields and not fields.keys() <= self._defaults.keys():
+            unknown = sorted(set(fields) - set(self._defaults))
             raise ValueError(f"gradient field(s) {unknown} were not declared by the mode")
         columns = self._columns
         columns["staleness"].append(int(staleness))

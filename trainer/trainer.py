@@ -307,7 +307,6 @@ class Trainer:
         history = _checkpoint_history(state, resume) if state else \
             History(mode=self.mode, workers=self.workers)
         start = int(state["complete_epochs"]) if state else 0
-        lockstep = kind.lockstep
         holder_config = HolderConfig(
             model=self._factory, optimizer=self.optimizer, workers=self.workers,
             mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
@@ -316,7 +315,7 @@ class Trainer:
             nonfinite_patience=self.nonfinite_patience)
         worker_config = WorkerConfig(
             model=self._factory, loss=self.loss, data=dataset, workers=self.workers,
-            batch_size=self.batch_size, lockstep=lockstep, pipeline_options=options,
+            batch_size=self.batch_size, pipeline_options=options,
             mode=self.mode, mode_options=self.mode_options, optimizer=self.optimizer,
             epoch_steps=epoch_steps, device=self.device, torch_threads=self.torch_threads,
             timeout=self.timeout)

@@ -23,7 +23,7 @@ from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
-from dasktrain.trainer.modes import worker_step_class
+from dasktrain.trainer.modes import mode_class, worker_step_class
 from dasktrain.trainer.notices import (
     capture_warnings,
     shape_notice,
@@ -46,7 +46,6 @@ class WorkerConfig:
     data: Dataset
     workers: int
     batch_size: int
-    lockstep: bool
     pipeline_options: dict[str, Any]
     mode: str = "sync"
     mode_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -107,7 +106,8 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
     pipe.set_epoch(epoch)
     plan = pipe.plan()
     mine = len(plan.rank_batches(worker, config.workers))
-    steps = math.ceil(plan.num_batches / config.workers) if config.lockstep else mine
+    lockstep = mode_class(config.mode).lockstep
+    steps = math.ceil(plan.num_batches / config.workers) if lockstep else mine
     start = min(int(info["position"]), steps)
     state = pipe.state_dict()
     state["position"] = min(start, mine)

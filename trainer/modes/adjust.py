@@ -80,6 +80,11 @@ class StaleGradientMode(UpdateMode):
         self._sent: dict[int, torch.Tensor] = {}  # w_sent per worker (DC only)
         self._mean_square: torch.Tensor | None = None
         self._scratch: dict[int, np.ndarray] = {}
+        # Without an option or record field of its own, an update is the host's plain one:
+        # no per-push lists of unit scales on the hot path.
+        changes = (self.staleness_lr is not None or self.dc_lambda is not None
+                   or type(self).fields is not StaleGradientMode.fields)
+        self.adjuster = self.adjust if changes else None  # what to pass as apply's adjust
 
     # -- hooks ---------------------------------------------------------------------------
     def sent(self, worker: int) -> None:

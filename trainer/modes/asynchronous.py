@@ -20,4 +20,4 @@ class AsyncMode(StaleGradientMode):
     async def push(self, contribution: Contribution) -> None:
         if contribution.grads is None:
             return
-        await self.host.apply([contribution], adjust=self.adjust)
+        await self.host.apply([contribution], adjust=self.adjuster)

@@ -64,7 +64,7 @@ class Contribution:
 
     ``grads`` may be a buffer the sender reuses for its next push (the direct channel's
     receive buffer): it is valid until the mode's :meth:`UpdateMode.push` returns, so a mode
-    that keeps a gradient for a later update must :meth:`keep` it.
+    that keeps a gradient beyond that must copy it.
     """
 
     worker: int
@@ -75,11 +75,6 @@ class Contribution:
     position: tuple[int, int]  # the worker's (epoch, batches consumed) after this batch
     clock: int = 0  # contributions of this worker before this one (set by the host)
     held: bool = False  # counted in the worker's clock and position (see Host.hold)
-
-    def keep(self) -> Contribution:
-        """A copy that owns its payload."""
-        grads = None if self.grads is None else np.array(self.grads, copy=True)
-        return dataclasses.replace(self, grads=grads)
 
 
 @dataclasses.dataclass(slots=True)

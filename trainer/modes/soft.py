@@ -37,8 +37,6 @@ class SoftMode(RoundMode, StaleGradientMode):
             raise ValueError(f"wait_for must be a positive integer, got {wait_for!r}")
         if late not in LATE:
             raise ValueError(f"late must be one of {LATE}, got {late!r}")
-        if host is not None and wait_for is not None and wait_for > host.workers:
-            raise ValueError(f"wait_for={wait_for} is more than the {host.workers} workers")
         self.late = late
         self._wait_for = wait_for
 
@@ -80,7 +78,7 @@ class SoftMode(RoundMode, StaleGradientMode):
         return len(self.round) >= self._needed()
 
     async def close_round(self, contributions: list[Contribution]) -> None:
-        await self.host.apply(contributions, adjust=self.adjust)
+        await self.host.apply(contributions, adjust=self.adjuster)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "round": [_stored(c) for c in self.round.values()]}

@@ -55,7 +55,7 @@ class SSPMode(StaleGradientMode):
 
     async def push(self, contribution: Contribution) -> None:
         if contribution.grads is not None:
-            await self.host.apply([contribution], adjust=self.adjust)
+            await self.host.apply([contribution], adjust=self.adjuster)
         self._release()
         worker = contribution.worker
         if self._ahead(worker):
