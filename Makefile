@@ -53,6 +53,8 @@ bench: setup
 	$(PY) benchmarks/prepare.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/holder.py
+	$(PY) benchmarks/updates.py
+	$(PY) benchmarks/stragglers.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
