@@ -27,9 +27,12 @@ _LAZY = {
     "EpochPlan": "dasktrain.pipeline",
     "Pipeline": "dasktrain.pipeline",
     "PipelineError": "dasktrain.pipeline",
+    "Callback": "dasktrain.trainer",
+    "EarlyStopping": "dasktrain.trainer",
     "History": "dasktrain.trainer",
     "HolderLost": "dasktrain.trainer",
     "ParameterHolder": "dasktrain.trainer",
+    "ReduceLROnPlateau": "dasktrain.trainer",
     "Trainer": "dasktrain.trainer",
     "TrainerError": "dasktrain.trainer",
     "TrainingDiverged": "dasktrain.trainer",
@@ -46,8 +49,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Callback",
     "Dataset",
     "DatasetError",
+    "EarlyStopping",
     "EpochPlan",
     "History",
     "HolderLost",
@@ -55,6 +60,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PrepareConfig",
+    "ReduceLROnPlateau",
     "SourceError",
     "Trainer",
     "TrainerError",

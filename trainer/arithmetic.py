@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.optim import OptimizerConfig
 
@@ -65,8 +66,11 @@ class Arithmetic:
     """Master parameters and buffers, their optimizer, and the updates applied to them."""
 
     def __init__(self, layout: FlatLayout, initial: np.ndarray,
-                 optimizer: OptimizerConfig, total_steps: int | None) -> None:
+                 optimizer: OptimizerConfig, total_steps: int | None,
+                 clip: tuple[float | None, float | None] = (None, None)) -> None:
         self.layout = layout
+        self.clip = clip  # (global norm, value) the applied gradient is clipped to
+        self.lr_factor = 1.0  # times the schedule (ReduceLROnPlateau)
         self.optimizer_config = optimizer
         self.total_steps = total_steps
         self._flat = torch.from_numpy(np.array(initial, dtype=np.float32))
@@ -169,7 +173,8 @@ class Arithmetic:
 
     def lr(self, scale: float = 1.0) -> float:
         """The learning rate of the next step, times ``scale``."""
-        return self.optimizer_config.lr_at(self.updates, self.total_steps) * scale
+        return self.optimizer_config.lr_at(self.updates, self.total_steps) * scale \
+            * self.lr_factor
 
     def step(self, payload: torch.Tensor, lr_scale: float = 1.0) -> None:
         """One optimizer step on the gradient part of ``payload``; its buffer part becomes
@@ -180,7 +185,14 @@ class Arithmetic:
         size away)."""
         self._writable()
         n = self.layout.num_params
-        self._param.grad = payload[:n]
+        grad = payload[:n]
+        if self.clip != (None, None):
+            # Into the scratch buffer: the payload may be a received buffer or a mode's.
+            scratch = self._average_buffer[:n]
+            if scratch.data_ptr() != grad.data_ptr():
+                scratch.copy_(grad)
+            grad = clip_gradient(scratch, *self.clip)
+        self._param.grad = grad
         lr = self.lr(lr_scale)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
@@ -201,7 +213,7 @@ class Arithmetic:
         return {"params": self._param.detach().clone(),
                 "buffers": self.buffers.clone(),
                 "optimizer": copy.deepcopy(self._optimizer.state_dict()),
-                "updates": self.updates}
+                "updates": self.updates, "lr_factor": self.lr_factor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._writable()
@@ -210,3 +222,4 @@ class Arithmetic:
             self.buffers.copy_(state["buffers"])
         self._optimizer.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])
+        self.lr_factor = float(state.get("lr_factor", 1.0))

@@ -74,6 +74,10 @@ class HolderConfig:
     nonfinite_patience: int = 10
     """With ``"skip"``: rounds (one gradient per worker) all refused in a row that still
     stop the run, since no update is possible any more."""
+    clip_grad_norm: float | None = None
+    """Clip each applied (averaged) gradient to this global norm."""
+    clip_grad_value: float | None = None
+    """Clip each value of an applied gradient to ``[-v, v]`` (before the norm)."""
 
     def __post_init__(self) -> None:
         if not callable(self.model):
@@ -110,7 +114,8 @@ class ParameterHolder:
         self.workers = config.workers
         self.optimizer = config.optimizer
         self._arith = Arithmetic(self.layout, flat.state(), config.optimizer,
-                                 config.total_steps)
+                                 config.total_steps,
+                                 clip=(config.clip_grad_norm, config.clip_grad_value))
         self._version = 0
         self._epoch = 0
         self._epoch_start = 0
@@ -261,6 +266,7 @@ class ParameterHolder:
         local = self._worker is not None and address == self._worker.address
         recorded = self._members.position_in(worker, self._epoch)
         return {"params": params, "version": lease.version, "epoch": self._epoch,
+                "lr_factor": self._arith.lr_factor,
                 "position": self._mode.start_position(worker, recorded),
                 "channel": None if local else await self._channel_contact(worker)}
 
@@ -354,6 +360,13 @@ class ParameterHolder:
         if custom is not None:
             return Lease(custom, self._version, None)
         return self._arith.lease(self._version)
+
+    async def set_lr_factor(self, factor: float) -> float:
+        """Multiply the learning-rate schedule by ``factor`` from the next update on."""
+        self._check_usable()
+        await self.serially(setattr, self._arith, "lr_factor", float(factor))
+        self.record_event(f"learning rate factor set to {factor:.4g}")
+        return self._arith.lr_factor
 
     async def pull(self) -> tuple[np.ndarray, int]:
         """The current parameters (then buffers) and their version (a copy)."""

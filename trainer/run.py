@@ -45,7 +45,8 @@ class FitRun:
                  worker_config: WorkerConfig, *, holder_worker: str | None, timeout: float,
                  checkpoint: str | None, checkpoint_every: int | None,
                  checkpoint_extra: Callable[[], dict[str, Any]], history: History,
-                 progress: Any) -> None:
+                 progress: Any,
+                 on_records: Callable[[dict[str, list]], Any] | None = None) -> None:
         self.client = client
         self.worker_config = worker_config
         self.timeout = timeout
@@ -54,6 +55,7 @@ class FitRun:
         self.checkpoint_extra = checkpoint_extra
         self.history = history
         self.progress = progress
+        self.on_records = on_records
         self.last_checkpoint: Path | None = None
         self._saved_version = -1
         self._pending_state: Any = None  # the holder's state_at call for the next checkpoint
@@ -206,6 +208,8 @@ class FitRun:
             self.progress.update(len(records["loss"]))
             self.progress.set_postfix(epoch=progress["epoch"], loss=f"{records['loss'][-1]:.4g}")
         self._take_checkpoint()
+        if self.on_records is not None and progress["records"].get("loss"):
+            self.on_records(progress["records"])
 
     def _forward(self, notices: list[dict[str, Any]]) -> None:
         """Raise the first occurrence of each worker's warning here, where it is seen."""

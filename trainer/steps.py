@@ -36,6 +36,7 @@ class StepContext:
     mode_options: dict[str, Any]
     step_offset: int  # lock-step steps of the fit before this epoch
     total_steps: int  # lock-step steps of the whole fit
+    clip: tuple[float | None, float | None] = (None, None)  # gradient norm, value
 
 
 class WorkerStep:
@@ -44,6 +45,7 @@ class WorkerStep:
     def __init__(self, flat: FlatModel, context: StepContext) -> None:
         self.flat = flat
         self.context = context
+        self.lr_factor = 1.0  # the holder's factor on the schedule, given at join
 
     def receive_buffer(self) -> np.ndarray:
         """Where replies are received (its size is the mode's payload size)."""

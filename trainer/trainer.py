@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import dask.array as da
 import numpy as np
 import torch
 from distributed import Client
@@ -20,12 +21,25 @@ from distributed import Client
 from dasktrain._cluster import cluster_client
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline import EpochPlan, Pipeline
+from dasktrain.trainer.callbacks import Callback, as_callbacks
 from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.trainer.compute import (
+    BatchCompute,
+    MetricFunction,
+    MetricTotals,
+    StepFunction,
+    check_compute_options,
+)
 from dasktrain.trainer.divergence import check_policy
 from dasktrain.trainer.errors import TrainingDiverged
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.history import History
 from dasktrain.trainer.holder import HolderConfig
+from dasktrain.trainer.inference import (
+    ForwardFunction,
+    evaluate_on_cluster,
+    predict_on_cluster,
+)
 from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.run import FitRun
@@ -35,9 +49,8 @@ from dasktrain.trainer.worker import LossFunction, WorkerConfig
 __all__ = ["Trainer"]
 
 ModelSpec = Callable[[], torch.nn.Module] | torch.nn.Module
-Callback = Callable[["Trainer", dict[str, Any]], Any]
 _PIPELINE_OPTIONS = ("shuffle", "seed", "transform", "prefetch", "shuffle_blocks",
-                     "block_rows", "drop_last")
+                     "block_rows", "drop_last", "as_dict")
 
 
 def _copy_of(module: torch.nn.Module) -> torch.nn.Module:
@@ -84,6 +97,28 @@ def _dataset_key(dataset: Dataset) -> str:
     return f"{dataset.identity}[{dataset.start}:{dataset.stop}]"
 
 
+def _merged_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """The epoch's training metrics over every worker's batches (sample-weighted means)."""
+    totals = MetricTotals()
+    for report in reports:
+        totals.merge(report.get("metrics") or {})
+    return totals.means()
+
+
+def _load_callback_states(callbacks: list[Callback], states: list[dict[str, Any]]) -> None:
+    """Give each callback its state from the checkpoint (matched by position and type)."""
+    for callback, saved in zip(callbacks, states, strict=False):
+        if saved.get("type") == type(callback).__name__:
+            callback.load_state_dict(saved.get("state") or {})
+
+
+def _check_clip(norm: float | None, value: float | None) -> None:
+    for name, limit in (("clip_grad_norm", norm), ("clip_grad_value", value)):
+        if limit is not None and not (isinstance(limit, (int, float)) and
+                                      math.isfinite(limit) and limit > 0):
+            raise ValueError(f"{name} must be a positive number, got {limit!r}")
+
+
 def _factory(model: ModelSpec) -> Callable[[], torch.nn.Module]:
     if isinstance(model, torch.nn.Module):
         return functools.partial(_copy_of, model)
@@ -108,7 +143,7 @@ class Trainer:
         parameters every worker then starts from, and once per worker) or a module (copied).
     loss
         ``loss(output, target) -> scalar tensor``, a mean over the batch (e.g.
-        ``torch.nn.functional.cross_entropy``).
+        ``torch.nn.functional.cross_entropy``). May be None when ``step`` is given.
     optimizer
         ``dt.optim.sgd(...)``, ``adam``, ``adamw``, or the large-batch ``lars`` and ``lamb``.
     mode
@@ -152,6 +187,25 @@ class Trainer:
     torch_threads
         Intra-op threads of torch in each worker process (1 keeps workers from
         oversubscribing the cores; 0 leaves torch's default).
+    step
+        ``step(model, batch) -> loss`` or ``-> {"loss": loss, "metric": value, ...}``, in
+        place of ``loss(model(x), y)``: for models of several inputs, dict batches
+        (``as_dict=True``) and auxiliary losses. The other entries are training metrics.
+    metrics
+        Named ``fn(output, target)`` measured on training batches (default step) and on
+        validation; their epoch means go in the History (``epochs[i]["train"]`` and
+        ``["validation"]``).
+    precision
+        ``"32"`` (default), ``"bf16"`` (autocast to bfloat16; CPU and GPU) or ``"fp16"``
+        (autocast to float16 with dynamic loss scaling; for GPUs). The holder keeps
+        float32 master parameters and receives float32 gradients.
+    as_dict
+        Batches are dicts of tensors keyed by array name (for a custom ``step``).
+    clip_grad_norm, clip_grad_value
+        Clip the gradient the holder applies to this global norm, or each value to
+        ``[-v, v]``: in ``sync`` the averaged gradient, exactly as
+        ``torch.nn.utils.clip_grad_norm_`` on the union batch; in the other gradient
+        modes each applied (averaged) gradient; in ``average`` each worker's local step.
     mode_options, **more_mode_options
         Options of the mode, as a dict or as keywords (not both for the same option).
         Unknown options are refused by the mode.
@@ -183,13 +237,20 @@ class Trainer:
         checkpoint_every: int | None = None,
         progress: bool = True,
         torch_threads: int = 1,
+        step: StepFunction | None = None,
+        metrics: dict[str, MetricFunction] | None = None,
+        precision: str = "32",
+        as_dict: bool = False,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
         mode_options: dict[str, Any] | None = None,
         **more_mode_options: Any,
     ) -> None:
         self._factory = _factory(model)
         mode_options = _merge_mode_options(mode_options, more_mode_options)
-        if not callable(loss):
-            raise TypeError("loss must be a callable loss(output, target) -> tensor")
+        metrics = dict(metrics or {})
+        check_compute_options(loss, step, metrics, precision)
+        _check_clip(clip_grad_norm, clip_grad_value)
         if not isinstance(optimizer, OptimizerConfig):
             raise TypeError("optimizer must come from dt.optim (e.g. dt.optim.sgd(lr=0.1))")
         if not isinstance(workers, int) or workers < 1:
@@ -203,6 +264,9 @@ class Trainer:
             raise ValueError("timeout and barrier_timeout must be positive")
         check_policy(on_nonfinite, nonfinite_patience)
         self.loss = loss
+        self.compute = BatchCompute(loss, step, metrics, precision)
+        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_value = clip_grad_value
         self.optimizer = optimizer
         self.mode = mode
         self.mode_options = mode_options
@@ -210,7 +274,8 @@ class Trainer:
         self.batch_size = batch_size
         self.pipeline_options = {"seed": seed, "shuffle": shuffle, "transform": transform,
                                  "prefetch": prefetch, "shuffle_blocks": shuffle_blocks,
-                                 "block_rows": block_rows, "drop_last": drop_last}
+                                 "block_rows": block_rows, "drop_last": drop_last,
+                                 "as_dict": bool(as_dict)}
         self.device = device
         self.holder_worker = holder_worker
         self.timeout = timeout
@@ -226,6 +291,10 @@ class Trainer:
         self._flat: FlatModel | None = None
         self.history: History | None = None
         self.last_checkpoint: str | None = None
+        self.stop_training = False
+        """Set by a callback (e.g. :class:`~dasktrain.EarlyStopping`) to end the fit after
+        the current epoch, as in Keras."""
+        self._current_run: FitRun | None = None
 
     # -- data --------------------------------------------------------------------------
     def _resolve(self, data: Dataset | Pipeline | str | os.PathLike
@@ -252,6 +321,10 @@ class Trainer:
                 "shuffle_blocks": options["shuffle_blocks"],
                 "block_rows": options["block_rows"], "drop_last": options["drop_last"],
                 "transform": _name_of(options["transform"]),
+                "as_dict": options["as_dict"], "step": _name_of(self.compute.step),
+                "precision": self.compute.precision,
+                "clip_grad_norm": self.clip_grad_norm,
+                "clip_grad_value": self.clip_grad_value,
                 "optimizer": self.optimizer.to_dict(),
                 "mode_options": {k: _name_of(v) if callable(v) else v
                                  for k, v in self.mode_options.items()}}
@@ -265,7 +338,7 @@ class Trainer:
         client: Client | None = None,
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | None = None,
-        callbacks: Iterable[Callback] = (),
+        callbacks: Iterable[Callback | Callable[[Trainer, dict[str, Any]], Any]] = (),
     ) -> History:
         """Train for ``epochs`` epochs (counted from 0, so a resumed fit runs the rest).
 
@@ -287,11 +360,16 @@ class Trainer:
         resume
             A checkpoint (directory or file) to continue from.
         callbacks
-            ``callback(trainer, epoch_record)`` after every epoch.
+            :class:`~dasktrain.Callback` objects (per update and per epoch hooks, such as
+            :class:`~dasktrain.EarlyStopping`) or functions ``fn(trainer, epoch_record)``
+            called after every epoch. Setting ``trainer.stop_training = True`` ends the fit
+            after the current epoch, with its checkpoint written.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         dataset, options = self._resolve(data)
+        callbacks = as_callbacks(callbacks)
+        self.stop_training = False
         if self.batch_size > len(dataset):
             raise ValueError(f"batch_size {self.batch_size} is larger than the "
                              f"{len(dataset)} samples of {dataset!r}")
@@ -312,13 +390,15 @@ class Trainer:
             mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
             barrier_timeout=self.barrier_timeout, torch_threads=self.torch_threads,
             direct_channel=self.direct_channel, on_nonfinite=self.on_nonfinite,
-            nonfinite_patience=self.nonfinite_patience)
+            nonfinite_patience=self.nonfinite_patience, clip_grad_norm=self.clip_grad_norm,
+            clip_grad_value=self.clip_grad_value)
         worker_config = WorkerConfig(
-            model=self._factory, loss=self.loss, data=dataset, workers=self.workers,
+            model=self._factory, compute=self.compute, data=dataset, workers=self.workers,
             batch_size=self.batch_size, pipeline_options=options,
             mode=self.mode, mode_options=self.mode_options, optimizer=self.optimizer,
             epoch_steps=epoch_steps, device=self.device, torch_threads=self.torch_threads,
-            timeout=self.timeout)
+            timeout=self.timeout, clip=(self.clip_grad_norm, self.clip_grad_value))
+        self.history = history  # the run's own, growing: callbacks may read and add to it
         bar = self._progress_bar(total_steps, initial=len(history.loss))
         started = time.perf_counter() - history.wall_time
         try:
@@ -329,10 +409,16 @@ class Trainer:
                              checkpoint_every=self.checkpoint_every,
                              checkpoint_extra=lambda: {
                                  "trainer": self._config(),
+                                 "callbacks": [{"type": type(cb).__name__,
+                                                "state": cb.state_dict()}
+                                               for cb in callbacks],
                                  "run": {"epochs": epochs, "total_steps": total_steps,
                                          "schedule_steps": schedule,
                                          "dataset": _dataset_key(dataset)}},
-                             history=history, progress=bar)
+                             history=history, progress=bar,
+                             on_records=lambda records: [cb.on_update(self, records)
+                                                         for cb in callbacks])
+                self._current_run = run
                 try:
                     self._run(run, c, state, start, epochs, history, started, validation,
                               callbacks)
@@ -343,6 +429,7 @@ class Trainer:
                         self._load(run.parameters())
                     raise
                 finally:
+                    self._current_run = None
                     if run.last_checkpoint is not None:
                         self.last_checkpoint = str(run.last_checkpoint)
                     run.close()
@@ -361,11 +448,14 @@ class Trainer:
     def _run(self, run: FitRun, client: Client, state: dict[str, Any] | None, start: int,
              epochs: int, history: History, started: float,
              validation: Dataset | str | os.PathLike | None,
-             callbacks: Iterable[Callback]) -> None:
+             callbacks: list[Callback]) -> None:
         """The epochs of a fit, from ``start``."""
         if state is not None:
             run.call("load_state_dict", state["holder"])
             run.version = int(state["holder"]["version"])
+            _load_callback_states(callbacks, state.get("callbacks") or [])
+        for callback in callbacks:
+            callback.on_fit_start(self)
         for epoch in range(start, epochs):
             fresh = state is None or epoch != int(state["holder"]["epoch"])
             epoch_started = time.perf_counter()
@@ -376,10 +466,25 @@ class Trainer:
                 record["validation"] = self.evaluate(validation, client=client)
             history.epochs.append(record)
             history.wall_time = time.perf_counter() - started
+            for callback in callbacks:  # before the save: their state goes in with it
+                callback.on_epoch_end(self, record)
             run.save(complete_epochs=epoch + 1)
-            for callback in callbacks:
-                callback(self, record)
+            if self.stop_training:
+                history.events.append(f"training stopped after epoch {epoch} by a callback")
+                break
         self._load(run.parameters())
+        for callback in callbacks:
+            callback.on_fit_end(self, history)
+
+    def set_lr_factor(self, factor: float) -> float:
+        """During a fit (from a callback): multiply the holder's learning-rate schedule by
+        ``factor`` from the next update on (kept in checkpoints); returns it."""
+        if self._current_run is None:
+            raise ValueError("set_lr_factor works during fit (from a callback) only")
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"the learning-rate factor must be a positive number, got "
+                             f"{factor!r}")
+        return float(self._current_run.call("set_lr_factor", float(factor)))
 
     def _check_resumable(self, state: dict[str, Any], dataset: Dataset, epochs: int,
                          schedule: int, epoch_steps: tuple[int, ...]) -> None:
@@ -436,6 +541,7 @@ class Trainer:
             "workers_finished": len(reports),
             # How each worker reached the holder: in its process, direct channel, actor.
             "exchange_via": dict(Counter(r["exchange_via"] for r in reports)),
+            "train": _merged_metrics(reports),
         }
 
     def _load(self, values: np.ndarray) -> None:
@@ -446,34 +552,28 @@ class Trainer:
     # -- evaluation and persistence ----------------------------------------------------
     def evaluate(self, data: Dataset | str | os.PathLike, *, batch_size: int = 1024,
                  client: Client | None = None) -> dict[str, float]:
-        """Mean loss of :attr:`model` over ``data`` (and accuracy when the targets are class
-        labels), with batches produced on the cluster."""
+        """Mean loss and metrics of :attr:`model` over ``data`` (and accuracy where the
+        targets are class labels), computed by tasks on the cluster's workers, one per
+        chunk of rows."""
         dataset = data if isinstance(data, Dataset) else open_dataset(data)
-        model = self.model
-        was_training = model.training
-        model.eval()
-        total = correct = 0
-        loss_sum = 0.0
-        classes = False
-        with cluster_client(client) as c, Pipeline(
-                dataset, min(batch_size, len(dataset)), shuffle=False, client=c,
-                prefetch_next_epoch=False) as pipe, \
-                torch.no_grad():
-            for batch in pipe:
-                x, y = batch if isinstance(batch, tuple) else (batch, None)
-                output = model(x)
-                n = len(x)
-                loss_sum += float(self.loss(output, y) if y is not None
-                                  else self.loss(output)) * n
-                total += n
-                if y is not None and not y.is_floating_point() and output.ndim == 2:
-                    classes = True
-                    correct += int((output.argmax(dim=1) == y).sum())
-        model.train(was_training)
-        metrics = {"loss": loss_sum / max(total, 1)}
-        if classes:
-            metrics["accuracy"] = correct / max(total, 1)
-        return metrics
+        with cluster_client(client) as c:
+            return evaluate_on_cluster(self.model, self.compute, dataset, c,
+                                       batch_size=batch_size,
+                                       as_dict=self.pipeline_options["as_dict"],
+                                       threads=self.torch_threads)
+
+    def predict(self, data: Dataset | str | os.PathLike, *, batch_size: int = 1024,
+                forward: ForwardFunction | None = None) -> da.Array:
+        """The outputs of :attr:`model` on every row of ``data``, as a lazy dask array (one
+        task per chunk of rows, run on the cluster when computed).
+
+        ``forward(model, batch) -> output`` replaces ``model(x)`` for models of several
+        inputs (batches are dicts with ``as_dict=True``).
+        """
+        dataset = data if isinstance(data, Dataset) else open_dataset(data)
+        return predict_on_cluster(copy.deepcopy(self.model), dataset, batch_size=batch_size,
+                                  forward=forward, as_dict=self.pipeline_options["as_dict"],
+                                  threads=self.torch_threads)
 
     def save(self, path: str | os.PathLike) -> str:
         """Save the model's parameters, the trainer's settings and the history (atomic)."""

@@ -21,6 +21,7 @@ from distributed import get_client, get_worker, secede
 
 from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
+from dasktrain.trainer.compute import BatchCompute, LossScale, MetricTotals, batch_size_of
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.modes import mode_class, worker_step_class
@@ -42,7 +43,7 @@ class WorkerConfig:
     """What every trainer worker needs; sent once per worker task."""
 
     model: Callable[[], torch.nn.Module]
-    loss: LossFunction
+    compute: BatchCompute  # forward, loss and metrics of a batch, and its precision
     data: Dataset
     workers: int
     batch_size: int
@@ -54,6 +55,7 @@ class WorkerConfig:
     device: str | None = None
     torch_threads: int = 1
     timeout: float = 300.0
+    clip: tuple[float | None, float | None] = (None, None)  # for modes stepping locally
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -89,7 +91,7 @@ def _step_for(config: WorkerConfig, flat: FlatModel, epoch: int) -> WorkerStep:
     """The mode's worker step (see :mod:`dasktrain.trainer.steps`)."""
     context = StepContext(config.optimizer, dict(config.mode_options),
                           step_offset=sum(config.epoch_steps[:epoch]),
-                          total_steps=sum(config.epoch_steps))
+                          total_steps=sum(config.epoch_steps), clip=config.clip)
     return worker_step_class(config.mode)(flat, context)
 
 
@@ -97,6 +99,7 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
            worker: int, address: str | None, epoch: int, started: float) -> dict[str, Any]:
     strategy = _step_for(config, flat, epoch)
     info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer())
+    strategy.lr_factor = float(info.get("lr_factor", 1.0))
     strategy.start(info["params"])
     version = int(info["version"])
     # One pipeline per epoch task: a head start on the next epoch would be thrown away.
@@ -115,6 +118,8 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
     batches = iter(pipe)
     compute = wait = 0.0
     samples = 0
+    totals = MetricTotals()
+    scale = LossScale(config.compute.precision == "fp16")
 
     def take(step: int) -> Any:
         return next(batches) if step < mine else None
@@ -124,15 +129,17 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
         t0 = time.perf_counter()
         count, loss_value = 0, 0.0
         if batch is not None:
-            x, y = batch if isinstance(batch, tuple) else (batch, None)
             flat.zero_grad()
-            output = flat.model(x)
-            if step == start and y is not None:
-                _tell(handle, worker, [shape_notice(output, y)])
-            loss = config.loss(output, y) if y is not None else config.loss(output)
-            loss.backward()
-            count, loss_value = len(x), float(loss.detach())
-            samples += count
+            loss, values, pair = config.compute(flat.model, batch, device)
+            if step == start and pair is not None and pair[1] is not None:
+                _tell(handle, worker, [shape_notice(*pair)])
+            scale.scaled(loss).backward()
+            count, loss_value = batch_size_of(batch), float(loss.detach())
+            if scale.unscale(flat.grads):
+                samples += count
+                totals.add({"loss": loss_value, **values}, count)
+            else:  # float16 overflow: this batch is skipped (the scale is lowered)
+                count = 0
         push = strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
         t1 = time.perf_counter()
         compute += t1 - t0
@@ -154,6 +161,7 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
             "samples": samples, "compute_s": compute, "exchange_s": wait,
             "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
+            "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
             "exchange_via": handle.via}
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.modes.base import Contribution, Host
 from dasktrain.trainer.modes.rounds import RoundMode
@@ -78,7 +79,9 @@ class LocalSteps(WorkerStep):
             config = self.context.optimizer
             lr = config.lr_at(self.context.step_offset + step, self.context.total_steps)
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * self.lr_factor
+            if self.context.clip != (None, None):
+                clip_gradient(self.flat.grads, *self.context.clip)
             self.optimizer.step()
             self._count += count
             self._loss += loss * count

@@ -1,0 +1,130 @@
+"""Prediction and evaluation spread over the cluster: one task per block of rows.
+
+Each task reads its rows straight from the dataset's Zarr arrays on the worker that runs
+it and applies the model there, so nothing but the results crosses the network: the
+outputs (``predict``, a lazy dask array) or a few sums (``evaluate``). The model travels
+once, as one key of the graph shared by every task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import torch
+from distributed import Client
+
+from dasktrain.datasets import Dataset
+from dasktrain.trainer.compute import BatchCompute
+
+__all__ = ["ForwardFunction", "evaluate_on_cluster", "predict_on_cluster"]
+
+ForwardFunction = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def _ranges(dataset: Dataset, rows: int) -> list[tuple[int, int]]:
+    """Blocks of ``rows`` rows aligned with the dataset's chunks where possible."""
+    step = max(rows, 1)
+    return [(a, min(a + step, dataset.stop)) for a in range(dataset.start, dataset.stop, step)]
+
+
+def _batches(dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool
+             ) -> Any:
+    """The rows [start, stop) as batches shaped as the pipeline delivers them."""
+    names = dataset.array_names
+    arrays = {n: np.asarray(dataset.zarr_array(n)[start:stop]) for n in names}
+    features, targets = dataset.features_name, dataset.targets_name
+    for a in range(0, stop - start, batch_size):
+        tensors = {n: torch.from_numpy(np.ascontiguousarray(v[a:a + batch_size]))
+                   for n, v in arrays.items()}
+        if as_dict:
+            yield tensors
+        elif targets is None:
+            yield tensors[features]
+        else:
+            yield tensors[features], tensors[targets]
+
+
+def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
+                   dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool,
+                   threads: int) -> np.ndarray:
+    if threads:
+        torch.set_num_threads(threads)
+    model.eval()
+    outputs = []
+    with torch.no_grad():
+        for batch in _batches(dataset, start, stop, batch_size, as_dict):
+            if forward is not None:
+                output = forward(model, batch)
+            else:
+                output = model(batch[0] if isinstance(batch, tuple) else batch)
+            outputs.append(output.detach().cpu().numpy())
+    return np.concatenate(outputs)
+
+
+def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
+                    start: int, stop: int, batch_size: int, as_dict: bool,
+                    threads: int) -> dict[str, Any]:
+    from dasktrain.trainer.compute import MetricTotals, batch_size_of
+
+    if threads:
+        torch.set_num_threads(threads)
+    model.eval()
+    totals = MetricTotals()
+    correct = counted = 0
+    with torch.no_grad():
+        for batch in _batches(dataset, start, stop, batch_size, as_dict):
+            loss, values, pair = compute(model, batch, torch.device("cpu"))
+            n = batch_size_of(batch)
+            totals.add({"loss": float(loss), **values}, n)
+            if pair is not None and pair[1] is not None:
+                output, y = pair
+                if not y.is_floating_point() and output.ndim == 2:
+                    correct += int((output.argmax(dim=1) == y).sum())
+                    counted += n
+    return {**totals.to_dict(), "correct": correct, "classified": counted}
+
+
+def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, *, batch_size: int,
+                       forward: ForwardFunction | None, as_dict: bool, threads: int
+                       ) -> da.Array:
+    """A lazy dask array of the model's outputs, one block per chunk of ``dataset``."""
+    first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
+    model.eval()
+    with torch.no_grad():
+        sample = (forward(model, first) if forward is not None else
+                  model(first[0] if isinstance(first, tuple) else first))
+    shape, dtype = tuple(sample.shape[1:]), sample.detach().cpu().numpy().dtype
+    shared = dask.delayed(model, pure=False)  # one key: the model travels once
+    task = dask.delayed(_predict_block, pure=True)
+    blocks = [da.from_delayed(task(shared, forward, dataset, a, b, batch_size, as_dict,
+                                   threads), shape=(b - a, *shape), dtype=dtype)
+              for a, b in _ranges(dataset, dataset.chunk_rows)]
+    return da.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+
+
+def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
+                        client: Client, *, batch_size: int, as_dict: bool, threads: int
+                        ) -> dict[str, float]:
+    """Mean loss and metrics of ``model`` over ``dataset`` (and accuracy where the targets
+    are class labels), computed by tasks on the cluster's workers."""
+    from dasktrain.trainer.compute import MetricTotals
+
+    shared = dask.delayed(model, pure=False)
+    task = dask.delayed(_evaluate_block, pure=True)
+    parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads)
+             for a, b in _ranges(dataset, dataset.chunk_rows)]
+    results = client.compute(parts, sync=True)
+    totals = MetricTotals()
+    correct = classified = 0
+    for part in results:
+        totals.merge(part)
+        correct += part["correct"]
+        classified += part["classified"]
+    metrics = totals.means()
+    if classified and "accuracy" not in metrics:
+        metrics["accuracy"] = correct / classified
+    return metrics
