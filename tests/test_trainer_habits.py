@@ -249,3 +249,20 @@ def test_monitoring_validation_without_validation_data_says_so(client, regressio
                          progress=False)
     with pytest.raises(ValueError, match="the fit has no validation data"):
         trainer.fit(regression, epochs=2, client=client, callbacks=[dt.EarlyStopping()])
+
+
+def test_model_checkpoint_keeps_the_last_epochs_and_the_best(client, regression, tmp_path):
+    keeper = dt.ModelCheckpoint(tmp_path / "models", keep_last=2, monitor="val_loss")
+    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.3, momentum=0.9), "async", workers=2,
+                         batch_size=16, progress=False)
+    history = trainer.fit(regression, epochs=4, validation=regression, client=client,
+                          callbacks=[keeper])
+    files = sorted(p.name for p in (tmp_path / "models").iterdir())
+    assert files == ["best.pt", "epoch-0002.pt", "epoch-0003.pt"]
+    losses = [e["validation"]["loss"] for e in history.epochs]
+    assert keeper.best_epoch == int(np.argmin(losses))
+    best = dt.Trainer.load(tmp_path / "models" / "best.pt", model=mlp, loss=mse)
+    assert best.evaluate(regression, client=client)["loss"] == pytest.approx(min(losses),
+                                                                             rel=1e-6)
+    last = dt.Trainer.load(tmp_path / "models" / "epoch-0003.pt", model=mlp, loss=mse)
+    assert torch.equal(flat_parameters(last.model), flat_parameters(trainer.model))

@@ -11,14 +11,17 @@ for the training batches (``"loss"``, or a metric given to the Trainer).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dasktrain.trainer.history import History
     from dasktrain.trainer.trainer import Trainer
 
-__all__ = ["Callback", "EarlyStopping", "ReduceLROnPlateau", "as_callbacks", "monitored"]
+__all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "ReduceLROnPlateau",
+           "as_callbacks", "monitored"]
 
 
 class Callback:
@@ -193,3 +196,50 @@ class ReduceLROnPlateau(_Plateau):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.lr_factor = float(state.get("lr_factor", 1.0))
+
+
+class ModelCheckpoint(_Plateau):
+    """Keep the model of the last ``keep_last`` epochs (``epoch-NNNN.pt``) and of the best
+    epoch by ``monitor`` (``best.pt``) in ``directory``, each a :meth:`Trainer.save` file
+    that :meth:`Trainer.load` reads. Older epoch files are deleted as new ones come; the
+    fit's own ``checkpoint=`` (the state to resume from) is separate and always the latest.
+
+    Parameters
+    ----------
+    directory
+        Where the files go.
+    keep_last
+        Epoch files kept (0: none).
+    monitor
+        The metric deciding ``best.pt`` (``"val_loss"`` by default); None: no best file.
+    mode, min_delta
+        As for :class:`EarlyStopping`.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep_last: int = 3,
+                 monitor: str | None = "val_loss", mode: str = "auto",
+                 min_delta: float = 0.0) -> None:
+        super().__init__(monitor or "loss", mode, min_delta, patience=0)
+        if not isinstance(keep_last, int) or keep_last < 0:
+            raise ValueError(f"keep_last must be an integer >= 0, got {keep_last!r}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.track_best = monitor is not None
+        self.kept: list[str] = []
+
+    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if self.keep_last:
+            path = self.directory / f"epoch-{int(record['epoch']):04d}.pt"
+            trainer.save(path)
+            self.kept = [p for p in self.kept if p != str(path)] + [str(path)]
+            while len(self.kept) > self.keep_last:
+                Path(self.kept.pop(0)).unlink(missing_ok=True)
+        if self.track_best and self._improved(record):
+            trainer.save(self.directory / "best.pt")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "kept": list(self.kept)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.kept = [str(p) for p in state.get("kept", [])]
