@@ -31,8 +31,12 @@ def test_the_checkpoint_keeps_no_per_update_lists_and_resume_restores_them(
     run = tmp_path / "run"
     sizes = []
     first = _trainer()
-    first.fit(regression, epochs=2, client=client, checkpoint=run,
-              callbacks=[lambda t, r: sizes.append(os.path.getsize(run / "checkpoint.pt"))])
+    # Epoch callbacks run before their epoch's checkpoint is written (it holds their
+    # state): the sizes are read between fits, the second resuming the first.
+    first.fit(regression, epochs=1, client=client, checkpoint=run)
+    sizes.append(os.path.getsize(run / "checkpoint.pt"))
+    first.fit(regression, epochs=2, client=client, checkpoint=run, resume=run)
+    sizes.append(os.path.getsize(run / "checkpoint.pt"))
     state = load_checkpoint(run)
     assert "loss" not in state["history"] and "staleness" not in state["history"]
     # Constant size, whatever the number of updates: only an epoch's record is added.

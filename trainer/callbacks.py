@@ -35,7 +35,8 @@ class Callback:
         gradient since the last call, as in :class:`History`); about twice a second."""
 
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        """An epoch ended; ``record`` is its entry of ``History.epochs``."""
+        """An epoch ended; ``record`` is its entry of ``History.epochs``. Runs before the
+        epoch's checkpoint is written, so that it holds what the callbacks decided."""
 
     def on_fit_end(self, trainer: Trainer, history: History) -> None:
         """The fit ended (normally or by ``stop_training``)."""
