@@ -148,8 +148,10 @@ class Trainer:
         ``dt.optim.sgd(...)``, ``adam``, ``adamw``, or the large-batch ``lars`` and ``lamb``.
     mode
         ``"sync"`` (all workers' gradients averaged per step: the same as one process
-        training on the union of their batches) or ``"async"`` (each gradient applied on
-        arrival; its staleness is recorded).
+        training on the union of their batches), ``"average"`` (local steps, parameters
+        averaged every ``average_every``), ``"soft"`` (the first ``wait_for`` gradients
+        per update), ``"ssp"`` (on arrival, within ``staleness_bound`` clocks) or
+        ``"async"`` (each gradient applied on arrival); see the README's mode guide.
     workers
         Model replicas (Dask tasks).
     batch_size
