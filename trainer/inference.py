@@ -18,7 +18,7 @@ import torch
 from distributed import Client
 
 from dasktrain.datasets import Dataset
-from dasktrain.trainer.compute import BatchCompute
+from dasktrain.trainer.compute import BatchCompute, MetricTotals, batch_size_of
 
 __all__ = ["ForwardFunction", "evaluate_on_cluster", "predict_on_cluster"]
 
@@ -68,8 +68,6 @@ def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
 def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
                     start: int, stop: int, batch_size: int, as_dict: bool,
                     threads: int) -> dict[str, Any]:
-    from dasktrain.trainer.compute import MetricTotals, batch_size_of
-
     if threads:
         torch.set_num_threads(threads)
     model.eval()
@@ -111,8 +109,6 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
                         ) -> dict[str, float]:
     """Mean loss and metrics of ``model`` over ``dataset`` (and accuracy where the targets
     are class labels), computed by tasks on the cluster's workers."""
-    from dasktrain.trainer.compute import MetricTotals
-
     shared = dask.delayed(model, pure=False)
     task = dask.delayed(_evaluate_block, pure=True)
     parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads)
