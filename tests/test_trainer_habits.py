@@ -104,6 +104,16 @@ def test_metrics_on_training_batches_and_validation(client, regression):
     assert got == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_progress_bar_shows_training_and_validation_metrics(client, regression, capfd):
+    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), "sync", workers=2, batch_size=32,
+                         metrics={"mae": mae}, progress=True)
+    history = trainer.fit(regression, epochs=1, validation=regression, client=client)
+    shown = capfd.readouterr().err
+    last = history.epochs[-1]
+    assert f"mae={last['train']['mae']:.4g}" in shown
+    assert f"val_mae={last['validation']['mae']:.4g}" in shown
+
+
 @pytest.mark.parametrize("clip", [{"clip_grad_norm": 0.05}, {"clip_grad_value": 0.01},
                                   {"clip_grad_norm": 0.05, "clip_grad_value": 0.01}])
 def test_clipping_in_sync_equals_torch_on_the_union_batch(client, regression, clip):
@@ -122,8 +132,9 @@ def test_clipping_in_sync_equals_torch_on_the_union_batch(client, regression, cl
     expected = _one_process(
         regression, reference, torch.optim.SGD(reference.parameters(), 0.05, momentum=0.9),
         32, 2, client, lambda m, x, y: mse(m(x), y), clip=torch_clip)
+    plain = mlp()
     unclipped = _one_process(
-        regression, mlp(), torch.optim.SGD(mlp().parameters(), 0.05, momentum=0.9),
+        regression, plain, torch.optim.SGD(plain.parameters(), 0.05, momentum=0.9),
         32, 2, client, lambda m, x, y: mse(m(x), y))
     torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
                                atol=1e-6)

@@ -29,6 +29,7 @@ import torch
 
 from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout
+from dasktrain.trainer.flat_optim import FlatOptimizer
 from dasktrain.trainer.optim import OptimizerConfig
 
 __all__ = ["INLINE_SIZE", "Arithmetic", "Lease", "as_tensor"]
@@ -74,8 +75,9 @@ class Arithmetic:
         self.optimizer_config = optimizer
         self.total_steps = total_steps
         self._flat = torch.from_numpy(np.array(initial, dtype=np.float32))
-        self._param = torch.nn.Parameter(self._flat[: layout.num_params])
-        self._optimizer = optimizer.build([self._param], segments=layout.param_segments())
+        self._optim = FlatOptimizer(optimizer, self._flat[: layout.num_params],
+                                    layout.param_segments())
+        self._optimizer = self._optim.optimizer
         self._average_buffer = torch.empty(layout.size, dtype=torch.float32)
         self.updates = 0  # optimizer steps taken (the schedule's step counter)
         self._lock = threading.Lock()  # lease counts: released from any thread
@@ -100,7 +102,7 @@ class Arithmetic:
     @property
     def parameters(self) -> torch.Tensor:
         """The current parameters (a view: read it inside the serial section)."""
-        return self._param.detach()
+        return self._flat[: self.layout.num_params]
 
     @property
     def buffers(self) -> torch.Tensor:
@@ -138,8 +140,8 @@ class Arithmetic:
             fresh = self._spare.pop() if self._spare else torch.empty_like(self._flat)
         fresh.copy_(self._flat)
         self._flat = fresh
-        # The optimizer's state is keyed by the Parameter object, not its storage.
-        self._param.data = fresh[: self.layout.num_params]
+        # The optimizer's state is keyed by the Parameter objects, not their storage.
+        self._optim.repoint(fresh[: self.layout.num_params])
 
     # -- updates -----------------------------------------------------------------------
     def average(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
@@ -192,12 +194,7 @@ class Arithmetic:
             if scratch.data_ptr() != grad.data_ptr():
                 scratch.copy_(grad)
             grad = clip_gradient(scratch, *self.clip)
-        self._param.grad = grad
-        lr = self.lr(lr_scale)
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-        self._optimizer.step()
-        self._param.grad = None
+        self._optim.step(grad, self.lr(lr_scale))
         self.updates += 1
         if self.layout.num_buffers:
             self._flat[n:].copy_(payload[n:])
@@ -210,7 +207,7 @@ class Arithmetic:
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"params": self._param.detach().clone(),
+        return {"params": self.parameters.clone(),
                 "buffers": self.buffers.clone(),
                 "optimizer": copy.deepcopy(self._optimizer.state_dict()),
                 "updates": self.updates, "lr_factor": self.lr_factor}

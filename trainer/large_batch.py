@@ -16,10 +16,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["LAMB", "LARS", "Segment"]
+__all__ = ["LAMB", "LARS", "Segment", "Segments"]
 
 Segment = tuple[str, int, int, tuple[int, ...]]
 """One tensor in a flat buffer: ``(name, start, stop, shape)``."""
+
+Segments = Sequence[Segment] | Sequence[Sequence[Segment]]
+"""The segments of one flat tensor, or one list of them per optimised tensor."""
 
 # (start, stop, shape) of each tensor inside one optimised tensor, flattened.
 _Span = tuple[int, int, tuple[int, ...]]
@@ -37,11 +40,17 @@ class _PerTensorOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any],
-                 segments: Sequence[Segment] | None) -> None:
+                 segments: Segments | None) -> None:
         super().__init__(params, defaults)
         tensors = [p for group in self.param_groups for p in group["params"]]
         self._spans: dict[torch.Tensor, list[_Span]] = {}
-        if segments is not None:
+        if segments and not isinstance(segments[0][0], str):
+            # One segment list per tensor: several flat pieces (parameter groups).
+            if len(segments) != len(tensors):
+                raise ValueError(f"{len(segments)} segment lists for {len(tensors)} tensors")
+            for tensor, own in zip(tensors, segments, strict=True):
+                self._spans[tensor] = _check_segments(own, tensor.numel())
+        elif segments is not None:
             if len(tensors) != 1:
                 raise ValueError(f"segments describe one flat tensor, but {len(tensors)} "
                                  "tensors were given: pass the flat parameter alone, or "
@@ -131,7 +140,7 @@ class LARS(_PerTensorOptimizer):
     def __init__(self, params: Iterable[Any], lr: float, *, momentum: float = 0.9,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001,
                  eps: float = 1e-8, exclude_bias_and_norm: bool = True,
-                 segments: Sequence[Segment] | None = None) -> None:
+                 segments: Segments | None = None) -> None:
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                     "trust_coefficient": trust_coefficient, "eps": eps,
                     "exclude_bias_and_norm": exclude_bias_and_norm}
@@ -178,7 +187,7 @@ class LAMB(_PerTensorOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, exclude_bias_and_norm: bool = True,
-                 segments: Sequence[Segment] | None = None) -> None:
+                 segments: Segments | None = None) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "exclude_bias_and_norm": exclude_bias_and_norm}
         super().__init__(params, defaults, segments)

@@ -12,6 +12,12 @@ its segments (:meth:`dasktrain.trainer.flat.FlatLayout.param_segments`, one per 
 tensor) and compute one ratio per segment, so the holder's flat buffer gives the same
 updates as the model's own tensors.
 
+Parameter groups (:func:`group`) give tensors chosen by name their own learning rate and
+weight decay, and ``exclude_bias_and_norm=True`` takes biases and normalisation weights out
+of weight decay, as the usual ``no_decay`` list of a torch training script does. The holder
+keeps its flat buffer: it optimises each run of consecutive tensors that share settings as
+one view of it (:mod:`dasktrain.trainer.flat_optim`).
+
 The learning rate at update ``t`` is ``lr x warmup(t) x schedule(t)``, set on the optimizer
 before every step (no ``torch.optim.lr_scheduler`` object: its state would hold callables,
 which a safe checkpoint cannot).
@@ -20,6 +26,7 @@ which a safe checkpoint cannot).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,11 +34,58 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from dasktrain.trainer.large_batch import Segment
+    from dasktrain.trainer.large_batch import Segments
 
-__all__ = ["OptimizerConfig", "adam", "adamw", "get_optimizer", "lamb", "lars", "sgd"]
+__all__ = ["OptimizerConfig", "ParamGroup", "adam", "adamw", "get_optimizer", "group", "lamb",
+           "lars", "sgd"]
 
 _SCHEDULES = ("constant", "cosine", "linear", "step")
+_PER_TENSOR = ("lars", "lamb")  # optimizers that are not element-wise
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamGroup:
+    """Tensors chosen by name, with their own learning rate and weight decay.
+
+    Built by :func:`group`; a tensor belongs to the first group with a matching pattern,
+    and to the optimizer's own settings when none matches.
+    """
+
+    patterns: tuple[str, ...]
+    """``fnmatch`` patterns over ``model.named_parameters()`` names (``"encoder.*"``)."""
+    lr: float | None = None
+    """Base learning rate of the group (it follows the same warm-up and schedule); default:
+    the optimizer's."""
+    weight_decay: float | None = None
+    """Weight decay of the group; default: the optimizer's."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.patterns, str) or not self.patterns or not all(
+                isinstance(p, str) and p for p in self.patterns):
+            raise ValueError(f"a parameter group needs name patterns (strings), got "
+                             f"{self.patterns!r}")
+        if self.lr is not None and not (isinstance(self.lr, (int, float))
+                                        and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"group {self.patterns}: lr must be a positive number, got "
+                             f"{self.lr!r}")
+        if self.weight_decay is not None and not (
+                isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            raise ValueError(f"group {self.patterns}: weight_decay must be >= 0, got "
+                             f"{self.weight_decay!r}")
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns)
+
+
+def group(*patterns: str, lr: float | None = None,
+          weight_decay: float | None = None) -> ParamGroup:
+    """A parameter group: the tensors whose names match any of ``patterns`` (``fnmatch``
+    style, e.g. ``"encoder.*"``, ``"*.bias"``), trained at ``lr`` with ``weight_decay``.
+
+    ``dt.optim.adamw(1e-3, groups=[dt.optim.group("backbone.*", lr=1e-4)])`` trains a
+    pretrained backbone ten times slower than the head.
+    """
+    return ParamGroup(tuple(patterns), lr, weight_decay)
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class OptimizerConfig:
@@ -54,9 +108,13 @@ class OptimizerConfig:
     """Adam/AdamW/LAMB denominator term; LARS: added to the gradient norm."""
     trust_coefficient: float = 0.001
     """LARS: the trust ratio is ``trust_coefficient * |w| / |g|``."""
-    exclude_bias_and_norm: bool = True
-    """LARS/LAMB: tensors of at most one dimension (biases, norm-layer weights) get no
-    weight decay and a trust ratio of 1."""
+    exclude_bias_and_norm: bool | None = None
+    """Tensors of at most one dimension (biases, norm-layer weights) get no weight decay;
+    under LARS/LAMB also a trust ratio of 1. Default: on for LARS and LAMB, off for SGD,
+    Adam and AdamW (as in ``torch.optim``)."""
+    groups: tuple[ParamGroup, ...] = ()
+    """Per-group learning rates and weight decays (:func:`group`); the first matching group
+    wins, and ``exclude_bias_and_norm`` still applies inside a group."""
     warmup_steps: int = 0
     """Updates over which the rate rises linearly from ``lr / warmup_steps`` to ``lr``."""
     schedule: str = "constant"
@@ -90,9 +148,15 @@ class OptimizerConfig:
                 and math.isfinite(self.trust_coefficient) and self.trust_coefficient > 0):
             raise ValueError("trust_coefficient must be a positive number, got "
                              f"{self.trust_coefficient!r}")
-        if not isinstance(self.exclude_bias_and_norm, bool):
+        if self.exclude_bias_and_norm is not None and not isinstance(
+                self.exclude_bias_and_norm, bool):
             raise TypeError("exclude_bias_and_norm must be True or False, got "
                             f"{self.exclude_bias_and_norm!r}")
+        if not isinstance(self.groups, tuple):
+            object.__setattr__(self, "groups", tuple(self.groups))
+        for g in self.groups:
+            if not isinstance(g, ParamGroup):
+                raise TypeError(f"groups must come from dt.optim.group(...), got {g!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if self.schedule not in _SCHEDULES:
@@ -101,6 +165,34 @@ class OptimizerConfig:
             raise ValueError(f"total_steps must be positive, got {self.total_steps!r}")
         if self.step_size <= 0 or not 0 < self.gamma <= 1:
             raise ValueError("step_size must be positive and gamma in (0, 1]")
+
+    @property
+    def excludes_bias_and_norm(self) -> bool:
+        """Whether biases and norm weights are kept out of weight decay (resolved default)."""
+        if self.exclude_bias_and_norm is None:
+            return self.name in _PER_TENSOR
+        return self.exclude_bias_and_norm
+
+    def tensor_settings(self, name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+        """``(base lr, weight decay)`` of the model tensor ``name`` of ``shape``."""
+        lr, decay = self.lr, self.weight_decay
+        for g in self.groups:
+            if g.matches(name):
+                lr = g.lr if g.lr is not None else lr
+                decay = g.weight_decay if g.weight_decay is not None else decay
+                break
+        # LARS and LAMB exclude such tensors inside their update (trust ratio too).
+        if self.name not in _PER_TENSOR and self.excludes_bias_and_norm and len(shape) <= 1:
+            decay = 0.0
+        return lr, decay
+
+    def check_names(self, names: Sequence[str]) -> None:
+        """Refuse a group whose patterns match none of the model's parameter ``names``."""
+        for g in self.groups:
+            if not any(g.matches(n) for n in names):
+                shown = ", ".join(list(names)[:8]) + (", ..." if len(names) > 8 else "")
+                raise ValueError(f"parameter group {list(g.patterns)} matches no parameter "
+                                 f"of the model; its parameters are: {shown}")
 
     def lr_at(self, step: int, total_steps: int | None = None) -> float:
         """Learning rate of update number ``step`` (0-based)."""
@@ -117,36 +209,56 @@ class OptimizerConfig:
                        else 1.0 - progress)
         return self.lr * factor
 
-    def build(self, params: list[Any], segments: Sequence[Segment] | None = None) -> Any:
+    def build(self, params: list[Any], segments: Segments | None = None) -> Any:
         """A ``torch.optim`` optimizer over ``params``.
 
         Parameters
         ----------
         params
-            The tensors to optimise: a model's own parameters, or the holder's one flat
-            parameter.
+            The tensors to optimise (a model's own parameters, or the holder's one flat
+            parameter), or ``torch.optim``-style group dicts of them. ``groups`` and
+            ``exclude_bias_and_norm`` are not applied here: use
+            :class:`~dasktrain.trainer.flat_optim.FlatOptimizer` or :meth:`build_for`.
         segments
             Where each model tensor lies in ``params[0]`` when that is a flat buffer
-            (:meth:`~dasktrain.trainer.flat.FlatLayout.param_segments`). LARS and LAMB
-            compute one trust ratio per segment; SGD, Adam and AdamW are element-wise and
-            ignore them. Without segments each tensor of ``params`` is one segment.
+            (:meth:`~dasktrain.trainer.flat.FlatLayout.param_segments`), or one such list
+            per tensor when several flat pieces are given. LARS and LAMB compute one trust
+            ratio per segment; SGD, Adam and AdamW are element-wise and ignore them.
+            Without segments each tensor of ``params`` is one segment.
         """
         return _OPTIMIZERS[self.name](self, params, segments)
 
+    def build_for(self, model: Any) -> Any:
+        """The same optimizer over ``model``'s own tensors, with its groups applied: what a
+        one-process torch script would build."""
+        self.check_names([n for n, _ in model.named_parameters()])
+        by_settings: dict[tuple[float, float], list[Any]] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                by_settings.setdefault(self.tensor_settings(name, tuple(p.shape)), []).append(p)
+        return self.build([{"params": ps, "lr": lr, "weight_decay": decay}
+                           for (lr, decay), ps in by_settings.items()])
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for checkpoints and reports)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["groups"] = [{"patterns": list(g.patterns), "lr": g.lr,
+                             "weight_decay": g.weight_decay} for g in self.groups]
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OptimizerConfig:
         values = dict(values)
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
+        values["groups"] = tuple(
+            ParamGroup(tuple(g["patterns"]), g.get("lr"), g.get("weight_decay"))
+            for g in values.get("groups", ()))
         return cls(**values)
 
 
 
-def _sgd(config: OptimizerConfig, params: list[Any], segments: Sequence[Segment] | None
+def _sgd(config: OptimizerConfig, params: list[Any], segments: Segments | None
          ) -> torch.optim.Optimizer:
     import torch  # on first build: configs are plain data, cheap to import and send
 
@@ -165,7 +277,7 @@ def _fused_if_possible(kind: Any, params: list[Any], **options: Any) -> torch.op
         return kind(params, **options)
 
 
-def _adam(config: OptimizerConfig, params: list[Any], segments: Sequence[Segment] | None
+def _adam(config: OptimizerConfig, params: list[Any], segments: Segments | None
           ) -> torch.optim.Optimizer:
     import torch
 
@@ -173,7 +285,7 @@ def _adam(config: OptimizerConfig, params: list[Any], segments: Sequence[Segment
                               eps=config.eps, weight_decay=config.weight_decay)
 
 
-def _adamw(config: OptimizerConfig, params: list[Any], segments: Sequence[Segment] | None
+def _adamw(config: OptimizerConfig, params: list[Any], segments: Segments | None
            ) -> torch.optim.Optimizer:
     import torch
 
@@ -181,23 +293,23 @@ def _adamw(config: OptimizerConfig, params: list[Any], segments: Sequence[Segmen
                               eps=config.eps, weight_decay=config.weight_decay)
 
 
-def _lars(config: OptimizerConfig, params: list[Any], segments: Sequence[Segment] | None
+def _lars(config: OptimizerConfig, params: list[Any], segments: Segments | None
           ) -> torch.optim.Optimizer:
     from dasktrain.trainer.large_batch import LARS
 
     return LARS(params, config.lr, momentum=config.momentum,
                 weight_decay=config.weight_decay, trust_coefficient=config.trust_coefficient,
-                eps=config.eps, exclude_bias_and_norm=config.exclude_bias_and_norm,
+                eps=config.eps, exclude_bias_and_norm=config.excludes_bias_and_norm,
                 segments=segments)
 
 
-def _lamb(config: OptimizerConfig, params: list[Any], segments: Sequence[Segment] | None
+def _lamb(config: OptimizerConfig, params: list[Any], segments: Segments | None
           ) -> torch.optim.Optimizer:
     from dasktrain.trainer.large_batch import LAMB
 
     return LAMB(params, config.lr, betas=config.betas, eps=config.eps,
                 weight_decay=config.weight_decay,
-                exclude_bias_and_norm=config.exclude_bias_and_norm, segments=segments)
+                exclude_bias_and_norm=config.excludes_bias_and_norm, segments=segments)
 
 
 # The one front door: adding an optimizer is a builder and an entry here.
@@ -210,28 +322,30 @@ def get_optimizer(name: str, **options: Any) -> OptimizerConfig:
 
 
 def sgd(lr: float, *, momentum: float = 0.0, nesterov: bool = False,
-        weight_decay: float = 0.0, **schedule: Any) -> OptimizerConfig:
+        weight_decay: float = 0.0, **options: Any) -> OptimizerConfig:
     """SGD with optional momentum, Nesterov and weight decay.
 
-    ``schedule`` takes ``warmup_steps``, ``schedule``, ``total_steps``, ``step_size`` and
-    ``gamma`` (see :class:`OptimizerConfig`).
+    ``options`` takes ``exclude_bias_and_norm`` and ``groups`` (parameter groups, see
+    :func:`group`) and the schedule: ``warmup_steps``, ``schedule``, ``total_steps``,
+    ``step_size`` and ``gamma`` (see :class:`OptimizerConfig`); so do :func:`adam` and
+    :func:`adamw`.
     """
     return OptimizerConfig(name="sgd", lr=lr, momentum=momentum, nesterov=nesterov,
-                           weight_decay=weight_decay, **schedule)
+                           weight_decay=weight_decay, **options)
 
 
 def adam(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-         weight_decay: float = 0.0, **schedule: Any) -> OptimizerConfig:
+         weight_decay: float = 0.0, **options: Any) -> OptimizerConfig:
     """Adam (L2 weight decay added to the gradient, as ``torch.optim.Adam``)."""
     return OptimizerConfig(name="adam", lr=lr, betas=betas, eps=eps,
-                           weight_decay=weight_decay, **schedule)
+                           weight_decay=weight_decay, **options)
 
 
 def adamw(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 0.01, **schedule: Any) -> OptimizerConfig:
+          weight_decay: float = 0.01, **options: Any) -> OptimizerConfig:
     """AdamW (decoupled weight decay)."""
     return OptimizerConfig(name="adamw", lr=lr, betas=betas, eps=eps,
-                           weight_decay=weight_decay, **schedule)
+                           weight_decay=weight_decay, **options)
 
 
 def lars(lr: float, *, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -259,8 +373,8 @@ def lars(lr: float, *, momentum: float = 0.9, weight_decay: float = 0.0,
         Tensors of at most one dimension (biases, norm layers) get no weight decay and a
         trust ratio of 1: plain momentum SGD at ``lr``.
     **schedule
-        ``warmup_steps``, ``schedule``, ``total_steps``, ``step_size``, ``gamma`` (see
-        :class:`OptimizerConfig`).
+        ``groups`` (:func:`group`), and ``warmup_steps``, ``schedule``, ``total_steps``,
+        ``step_size``, ``gamma`` (see :class:`OptimizerConfig`).
     """
     return OptimizerConfig(name="lars", lr=lr, momentum=momentum, weight_decay=weight_decay,
                            trust_coefficient=trust_coefficient, eps=eps,
@@ -290,8 +404,8 @@ def lamb(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: fl
         Tensors of at most one dimension (biases, norm layers) get no weight decay and a
         trust ratio of 1: a plain Adam step at ``lr``.
     **schedule
-        ``warmup_steps``, ``schedule``, ``total_steps``, ``step_size``, ``gamma`` (see
-        :class:`OptimizerConfig`).
+        ``groups`` (:func:`group`), and ``warmup_steps``, ``schedule``, ``total_steps``,
+        ``step_size``, ``gamma`` (see :class:`OptimizerConfig`).
     """
     return OptimizerConfig(name="lamb", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            exclude_bias_and_norm=exclude_bias_and_norm, **schedule)

@@ -1,14 +1,19 @@
-"""An optimizer's state over one flat parameter, as one flat float32 array and back.
+"""An optimizer's state over a flat parameter buffer, as one flat float32 array and back.
 
 Parameter averaging (``average`` mode) can average the workers' optimizer states with their
 parameters. Which state an optimizer keeps (momentum; Adam's moments and step) is found
 once by taking one step on a two-value stand-in: tensors of two values are per-element
-state (``num_params`` values each), tensors of one value are scalars.
+state, tensors of one value are scalars.
+
+The buffer may be optimised as several pieces (parameter groups cut it into runs): the flat
+form holds, key by key, the per-element state of every piece in order (``num_params``
+values, aligned with the buffer) or one scalar per piece.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,34 +41,38 @@ class StateLayout:
                 keys.append((name, value.numel() == 2, value.dtype))
         return cls(tuple(keys))
 
-    def size(self, num_params: int) -> int:
-        """Values in the flat form."""
-        return sum(num_params if per_element else 1 for _, per_element, _ in self.keys)
+    def size(self, num_params: int, pieces: int = 1) -> int:
+        """Values in the flat form of a buffer of ``num_params`` in ``pieces``."""
+        return sum(num_params if per_element else pieces for _, per_element, _ in self.keys)
 
-    def flatten(self, optimizer: torch.optim.Optimizer, param: torch.Tensor,
+    def flatten(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                 out: np.ndarray) -> None:
-        """Write ``param``'s state into ``out`` (zeros for state not made yet)."""
-        state = optimizer.state.get(param, {})
+        """Write the state of ``params`` (the buffer's pieces, in order) into ``out``
+        (zeros for state not made yet)."""
         at = 0
         for name, per_element, _ in self.keys:
-            size = param.numel() if per_element else 1
-            value = state.get(name)
-            target = torch.from_numpy(out[at:at + size])
-            if isinstance(value, torch.Tensor):
-                target.copy_(value.detach().reshape(-1).float())
-            else:
-                target.zero_()
-            at += size
+            for param in params:
+                size = param.numel() if per_element else 1
+                value = optimizer.state.get(param, {}).get(name)
+                target = torch.from_numpy(out[at:at + size])
+                if isinstance(value, torch.Tensor):
+                    target.copy_(value.detach().reshape(-1).float())
+                else:
+                    target.zero_()
+                at += size
 
-    def load(self, optimizer: torch.optim.Optimizer, param: torch.Tensor,
+    def load(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
              values: np.ndarray) -> None:
-        """Make ``values`` (from :meth:`flatten`, or an average of such) ``param``'s state."""
-        state = {}
+        """Make ``values`` (from :meth:`flatten`, or an average of such) the state of
+        ``params``."""
+        states: list[dict[str, torch.Tensor]] = [{} for _ in params]
         at = 0
         for name, per_element, dtype in self.keys:
-            size = param.numel() if per_element else 1
-            chunk = torch.from_numpy(np.array(values[at:at + size], dtype=np.float32))
-            state[name] = (chunk.reshape(param.shape) if per_element
-                           else chunk.reshape(())).to(dtype)
-            at += size
-        optimizer.state[param] = state
+            for param, state in zip(params, states, strict=True):
+                size = param.numel() if per_element else 1
+                chunk = torch.from_numpy(np.array(values[at:at + size], dtype=np.float32))
+                state[name] = (chunk.reshape(param.shape) if per_element
+                               else chunk.reshape(())).to(dtype)
+                at += size
+        for param, state in zip(params, states, strict=True):
+            optimizer.state[param] = state

@@ -56,6 +56,7 @@ class FitRun:
         self.history = history
         self.progress = progress
         self.on_records = on_records
+        self.epoch_summary: dict[str, str] = {}  # the last epoch's metrics, on the bar
         self.last_checkpoint: Path | None = None
         self._saved_version = -1
         self._pending_state: Any = None  # the holder's state_at call for the next checkpoint
@@ -206,10 +207,21 @@ class FitRun:
         if self.progress is not None and progress["records"]["loss"]:
             records = progress["records"]
             self.progress.update(len(records["loss"]))
-            self.progress.set_postfix(epoch=progress["epoch"], loss=f"{records['loss'][-1]:.4g}")
+            self.progress.set_postfix(epoch=progress["epoch"], loss=f"{records['loss'][-1]:.4g}",
+                                      **self.epoch_summary)
         self._take_checkpoint()
         if self.on_records is not None and progress["records"].get("loss"):
             self.on_records(progress["records"])
+
+    def show_epoch(self, record: dict[str, Any]) -> None:
+        """Put an epoch's training metrics (beyond the loss) and validation metrics on the
+        progress bar, where they stay until the next epoch's."""
+        shown = {k: v for k, v in (record.get("train") or {}).items() if k != "loss"}
+        shown.update({f"val_{k}": v for k, v in (record.get("validation") or {}).items()})
+        self.epoch_summary = {k: f"{v:.4g}" for k, v in shown.items()
+                              if isinstance(v, (int, float))}
+        if self.progress is not None:
+            self.progress.set_postfix(epoch=record["epoch"], **self.epoch_summary)
 
     def _forward(self, notices: list[dict[str, Any]]) -> None:
         """Raise the first occurrence of each worker's warning here, where it is seen."""

@@ -290,6 +290,8 @@ class Trainer:
         self.torch_threads = torch_threads
         self.model: torch.nn.Module = self._factory()
         """A plain module holding the latest parameters (after :meth:`fit`)."""
+        # A parameter group naming no tensor of this model is a typo: say so before a fit.
+        optimizer.check_names([n for n, p in self.model.named_parameters() if p.requires_grad])
         self._flat: FlatModel | None = None
         self.history: History | None = None
         self.last_checkpoint: str | None = None
@@ -467,6 +469,7 @@ class Trainer:
             if validation is not None:
                 record["validation"] = self.evaluate(validation, client=client)
             history.epochs.append(record)
+            run.show_epoch(record)
             history.wall_time = time.perf_counter() - started
             for callback in callbacks:  # before the save: their state goes in with it
                 callback.on_epoch_end(self, record)

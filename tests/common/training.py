@@ -58,7 +58,7 @@ def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
 
 def torch_optimizer(config: dt.optim.OptimizerConfig, model: torch.nn.Module):
     """The same optimizer, built the ordinary way over the model's own tensors."""
-    return config.build(list(model.parameters()))
+    return config.build_for(model)
 
 
 def one_process(dataset, make, config, batch_size: int, epochs: int, client, seed: int = 0

@@ -24,10 +24,10 @@ import torch
 
 from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout, FlatModel
+from dasktrain.trainer.flat_optim import FlatOptimizer, state_size
 from dasktrain.trainer.modes.base import Contribution, Host
 from dasktrain.trainer.modes.rounds import RoundMode
 from dasktrain.trainer.optim import OptimizerConfig
-from dasktrain.trainer.optim_state import StateLayout
 from dasktrain.trainer.steps import Push, StepContext, WorkerStep
 
 __all__ = ["AverageMode", "LocalSteps"]
@@ -48,16 +48,14 @@ class LocalSteps(WorkerStep):
     def __init__(self, flat: FlatModel, context: StepContext) -> None:
         super().__init__(flat, context)
         self.every = _every(context.mode_options)
-        # The optimizer works on a Parameter sharing the model's flat storage, whose
-        # gradient is the flat gradient buffer: the model's own tensors move with it.
-        self.param = torch.nn.Parameter(flat.params)
-        self.param.grad = flat.grads
-        self.optimizer = context.optimizer.build([self.param],
-                                                 segments=flat.layout.param_segments())
-        self.state_layout = StateLayout.of(context.optimizer)
+        # The optimizer works on views of the model's flat storage, whose gradients are
+        # views of the flat gradient buffer: the model's own tensors move with it.
+        self.optimizer = FlatOptimizer(context.optimizer, flat.params,
+                                       flat.layout.param_segments())
+        self.optimizer.attach_grad(flat.grads)
         size = flat.layout.size
         self._size = size
-        total = size + self.state_layout.size(flat.layout.num_params)
+        total = size + self.optimizer.state_size()
         self._out = np.empty(total, dtype=np.float32)
         self._in = np.empty(total, dtype=np.float32)
         self._count = 0
@@ -72,23 +70,21 @@ class LocalSteps(WorkerStep):
     def load(self, values: np.ndarray) -> None:
         self.flat.load(values[: self._size])
         if len(values) > self._size:
-            self.state_layout.load(self.optimizer, self.param, values[self._size:])
+            self.optimizer.load_state(values[self._size:])
 
     def after_backward(self, step: int, count: int, loss: float, last: bool) -> Push | None:
         if count:
             config = self.context.optimizer
             lr = config.lr_at(self.context.step_offset + step, self.context.total_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr * self.lr_factor
             if self.context.clip != (None, None):
                 clip_gradient(self.flat.grads, *self.context.clip)
-            self.optimizer.step()
+            self.optimizer.step(lr=lr * self.lr_factor)
             self._count += count
             self._loss += loss * count
         if (step + 1) % self.every and not last:
             return None
         np.copyto(self._out[: self._size], self.flat.state())
-        self.state_layout.flatten(self.optimizer, self.param, self._out[self._size:])
+        self.optimizer.flatten_state(self._out[self._size:])
         push = Push(self._out, self._count, self._loss / self._count if self._count else 0.0)
         self._count, self._loss = 0, 0.0
         return push
@@ -108,7 +104,7 @@ class AverageMode(RoundMode):
         self._own: dict[int, torch.Tensor] = {}  # each worker's optimizer state
         self._extra = 0
         if host is not None:
-            self._extra = StateLayout.of(host.optimizer).size(host.layout.num_params)
+            self._extra = state_size(host.optimizer, host.layout.param_segments())
 
     @classmethod
     def planned_updates(cls, batches: int, workers: int, options: dict[str, Any]) -> int:
@@ -133,7 +129,7 @@ class AverageMode(RoundMode):
     @classmethod
     def payload_size(cls, layout: FlatLayout, optimizer: OptimizerConfig,
                      options: dict[str, Any]) -> int:
-        return layout.size + StateLayout.of(optimizer).size(layout.num_params)
+        return layout.size + state_size(optimizer, layout.param_segments())
 
     async def push(self, contribution: Contribution) -> None:
         await self.enter_if_current(contribution, "parameters")

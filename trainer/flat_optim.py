@@ -1,0 +1,136 @@
+"""An optimizer over a flat parameter buffer, with parameter groups.
+
+The holder (and a worker in ``average`` mode) keeps a model's parameters as one flat
+buffer. Without parameter groups the optimizer works on that buffer as one tensor. With
+groups (per-group learning rate or weight decay, biases and norm weights out of weight
+decay) tensors of different settings interleave in the buffer, so the buffer is cut into
+*runs*: maximal stretches of consecutive model tensors with the same settings, each one
+``Parameter`` viewing its stretch. The torch optimizer gets one group per setting, holding
+its runs; element-wise optimizers then give exactly what the model's own tensors would, and
+LARS/LAMB keep one trust ratio per model tensor through each run's segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from dasktrain.trainer.large_batch import Segment
+from dasktrain.trainer.optim import OptimizerConfig
+from dasktrain.trainer.optim_state import StateLayout
+
+__all__ = ["FlatOptimizer", "Run", "plan_runs", "state_size"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Run:
+    """Consecutive model tensors ``[start, stop)`` of the flat buffer sharing settings."""
+
+    start: int
+    stop: int
+    lr: float
+    weight_decay: float
+    segments: tuple[Segment, ...]  # relative to ``start``
+
+
+def plan_runs(config: OptimizerConfig, segments: Sequence[Segment]) -> list[Run]:
+    """The runs of a flat buffer whose tensors lie at ``segments``."""
+    config.check_names([name for name, *_ in segments])
+    runs: list[Run] = []
+    pending: list[Segment] = []
+    settings: tuple[float, float] | None = None
+
+    def close() -> None:
+        if pending:
+            start = pending[0][1]
+            runs.append(Run(start, pending[-1][2], *settings,
+                            tuple((n, a - start, b - start, s) for n, a, b, s in pending)))
+
+    for segment in segments:
+        name, _, _, shape = segment
+        own = config.tensor_settings(name, tuple(shape))
+        if own != settings:
+            close()
+            pending, settings = [], own
+        pending.append(segment)
+    close()
+    return runs
+
+
+def state_size(config: OptimizerConfig, segments: Sequence[Segment]) -> int:
+    """Values in the flat form of the optimizer state over a buffer of ``segments``."""
+    runs = plan_runs(config, segments)
+    return StateLayout.of(config).size(runs[-1].stop, len(runs))
+
+
+class FlatOptimizer:
+    """``config``'s optimizer over ``params``, a flat buffer of tensors at ``segments``.
+
+    Parameters
+    ----------
+    config
+        The optimizer, with its groups.
+    params
+        The flat parameter buffer (it is updated in place).
+    segments
+        Where each model tensor lies in it (``FlatLayout.param_segments()``).
+    """
+
+    def __init__(self, config: OptimizerConfig, params: torch.Tensor,
+                 segments: Sequence[Segment]) -> None:
+        self.config = config
+        self.runs = plan_runs(config, segments)
+        self.params = [torch.nn.Parameter(params[r.start:r.stop]) for r in self.runs]
+        by_settings: dict[tuple[float, float], list[int]] = {}
+        for i, r in enumerate(self.runs):
+            by_settings.setdefault((r.lr, r.weight_decay), []).append(i)
+        # torch groups in first-seen order; segments follow the optimizer's tensor order.
+        groups, order = [], []
+        self._ratios: list[float] = []
+        for (lr, decay), members in by_settings.items():
+            groups.append({"params": [self.params[i] for i in members], "lr": lr,
+                           "weight_decay": decay})
+            order.extend(members)
+            self._ratios.append(lr / config.lr)
+        per_tensor = [list(self.runs[i].segments) for i in order]
+        self.optimizer = config.build(
+            groups, segments=per_tensor[0] if len(per_tensor) == 1 else per_tensor)
+        self.state_layout = StateLayout.of(config)
+
+    def repoint(self, params: torch.Tensor) -> None:
+        """Make ``params`` (a copy of the buffer) the one optimised; the state is kept."""
+        for p, r in zip(self.params, self.runs, strict=True):
+            p.data = params[r.start:r.stop]
+
+    def attach_grad(self, grad: torch.Tensor | None) -> None:
+        """Take the flat gradient ``grad`` (``None``: drop it) as every run's gradient."""
+        for p, r in zip(self.params, self.runs, strict=True):
+            p.grad = None if grad is None else grad[r.start:r.stop]
+
+    def set_lr(self, lr: float) -> None:
+        """The optimizer's learning rate now; each group keeps its ratio to it."""
+        for group, ratio in zip(self.optimizer.param_groups, self._ratios, strict=True):
+            group["lr"] = lr * ratio
+
+    def step(self, grad: torch.Tensor | None = None, lr: float | None = None) -> None:
+        """One step on ``grad`` (default: the attached gradient) at ``lr``."""
+        if lr is not None:
+            self.set_lr(lr)
+        if grad is not None:
+            self.attach_grad(grad)
+        self.optimizer.step()
+        if grad is not None:
+            self.attach_grad(None)
+
+    # -- the state in flat form (``average`` mode averages it) -----------------------------
+    def state_size(self) -> int:
+        return self.state_layout.size(self.runs[-1].stop, len(self.runs))
+
+    def flatten_state(self, out: np.ndarray) -> None:
+        self.state_layout.flatten(self.optimizer, self.params, out)
+
+    def load_state(self, values: np.ndarray) -> None:
+        self.state_layout.load(self.optimizer, self.params, values)
