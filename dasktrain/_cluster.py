@@ -2,21 +2,35 @@
 
 Every component that runs work on the cluster (preparation, verification, the pipeline, the
 trainer) goes through :func:`cluster_client`, so "no client given" means the same thing
-everywhere: a LocalCluster on 127.0.0.1 sized for this machine, closed when the work is done.
+everywhere: the client the user made in this process if there is one, else the process's
+one *embedded* LocalCluster on 127.0.0.1, sized for this machine. The embedded cluster
+starts on first use (a few seconds), is reused by every later call (a notebook pays the
+start-up once, not per ``prepare`` or ``fit``), says once where its Dask dashboard is, and
+closes when the process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import sys
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, default_client
 
-__all__ = ["MAX_LOCAL_WORKERS", "cluster_client", "default_local_cluster_options",
-           "start_local_cluster", "worker_info"]
+__all__ = [
+    "MAX_LOCAL_WORKERS",
+    "close_embedded",
+    "cluster_client",
+    "default_local_cluster_options",
+    "embedded_client",
+    "start_local_cluster",
+    "worker_info",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +54,8 @@ def default_local_cluster_options(
         "threads_per_worker": 1,
         "processes": True,
         "host": "127.0.0.1",
-        "dashboard_address": None,
+        # The dashboard on loopback only; another process holding 8787 moves it elsewhere.
+        "dashboard_address": "127.0.0.1:8787",
         "silence_logs": logging.ERROR,
     }
     if memory_limit is not None:
@@ -66,7 +81,10 @@ def cluster_client(
         Address of an existing scheduler (``tcp://host:8786``); connected to and disconnected
         from, the cluster itself is left running.
     n_workers, memory_limit
-        Size of the embedded LocalCluster started when neither of the above is given.
+        Size of the LocalCluster used when neither of the above is given. Without them
+        the process's embedded cluster serves (see :func:`embedded_client`), unless the
+        user has made a client in this process, which then wins; with them a cluster of
+        that size is started for this call and closed after it.
     """
     if client is not None and scheduler is not None:
         raise ValueError("give either client= or scheduler=, not both")
@@ -85,8 +103,80 @@ def cluster_client(
         finally:
             own.close()
         return
+    if n_workers is None and memory_limit is None:
+        yield _users_client() or embedded_client()
+        return
     with start_local_cluster(n_workers, memory_limit) as cluster, Client(cluster) as own:
         yield own
+
+
+def _users_client() -> Client | None:
+    """The client this process's code made last (``Client(...)`` sets itself as the
+    default), if it is still open."""
+    try:
+        client = default_client()
+    except ValueError:
+        return None
+    return client if client.status == "running" else None
+
+
+# -- the embedded cluster ------------------------------------------------------------------
+_embedded: tuple[LocalCluster, Client] | None = None
+_embedded_lock = threading.Lock()
+
+
+def _announce_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+announce: Callable[[str], None] = _announce_to_stderr
+"""Where the one line saying the embedded cluster started (and its dashboard) goes; the
+CLI sends it to standard output."""
+
+
+def embedded_client() -> Client:
+    """The client of this process's embedded LocalCluster, started on first use and reused
+    by every later call; closed when the process exits (or by :func:`close_embedded`).
+
+    A cluster that has died meanwhile (its scheduler or client closed) is replaced."""
+    global _embedded
+    with _embedded_lock:
+        if _embedded is not None:
+            cluster, client = _embedded
+            if client.status == "running" and cluster.status.name == "running":
+                return client
+            _close(cluster, client)
+            _embedded = None
+        cluster = start_local_cluster()
+        # The default client, as a user's own would be: dask computations in a notebook
+        # run on it too, and a client the user makes later takes over.
+        client = Client(cluster)
+        _embedded = (cluster, client)
+        workers = len(cluster.workers)
+        link = cluster.dashboard_link if cluster.dashboard_link else None
+        announce(f"dasktrain: started a local Dask cluster ({workers} worker"
+                 f"{'s' if workers != 1 else ''}, reused until exit)"
+                 + (f"; dashboard: {link}" if link else ""))
+        return client
+
+
+def close_embedded() -> None:
+    """Close the embedded cluster now, if one runs (the next call starts a fresh one)."""
+    global _embedded
+    with _embedded_lock:
+        if _embedded is not None:
+            _close(*_embedded)
+            _embedded = None
+
+
+def _close(cluster: LocalCluster, client: Client) -> None:
+    with contextlib.suppress(Exception):  # at exit, best effort: the process is ending
+        client.close(timeout=10)
+    with contextlib.suppress(Exception):
+        cluster.close(timeout=10)
+
+
+atexit.register(close_embedded)
 
 
 def start_local_cluster(n_workers: int | None = None,

@@ -24,7 +24,7 @@ def gather_with_progress(
     try:
         with tqdm(total=len(futures), desc=desc, unit="chunk", disable=not progress,
                   leave=False, dynamic_ncols=True) as bar:
-            for future in as_completed(futures):
+            for future in as_completed(futures, loop=client.loop):
                 results[index[future.key]] = future.result()
                 bar.update(1)
     except BaseException:

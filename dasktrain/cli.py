@@ -136,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from dasktrain import _cluster
+
+    # The embedded cluster's one line (with its dashboard) goes with the command's output.
+    _cluster.announce = print
     quiet = _QuietAfterInterrupt()
     loop_errors = logging.getLogger("tornado.application")
     loop_errors.addFilter(quiet)

@@ -10,7 +10,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from typing import Any
@@ -21,7 +20,7 @@ from dask.base import tokenize
 from distributed import Client, Future, get_client, get_worker
 from distributed.client import FutureCancelledError
 
-from dasktrain._cluster import start_local_cluster, worker_info
+from dasktrain._cluster import embedded_client, worker_info
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.plan import EpochPlan, Unit
@@ -44,17 +43,6 @@ Batch = tuple[torch.Tensor, torch.Tensor] | torch.Tensor | dict[str, torch.Tenso
 _PLACEMENTS = ("anywhere", "local")
 _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
                "shuffle_blocks", "block_rows", "drop_last")
-
-
-def _own_cluster() -> tuple[Client, weakref.finalize]:
-    cluster = start_local_cluster()
-    client = Client(cluster)
-
-    def close() -> None:
-        client.close()
-        cluster.close()
-
-    return client, weakref.finalize(client, close)
 
 
 @dataclasses.dataclass
@@ -194,7 +182,6 @@ class Pipeline:
         self.timeout = float(timeout)
         self.stats = PipelineStats()
         self._client = client
-        self._finalizer: weakref.finalize | None = None
         self._ahead: _Ahead | None = None  # the next epoch's head start
         self._ahead_pending: _Ahead | None = None  # the one the feeder is building
         self._epoch = 0
@@ -266,18 +253,14 @@ class Pipeline:
         if self._client is None:
             try:
                 self._client = get_client()
-            except ValueError:
-                logger.info("no Dask client: starting a LocalCluster for this pipeline")
-                self._client, self._finalizer = _own_cluster()
+            except ValueError:  # no client of the user's: the process's embedded cluster
+                self._client = embedded_client()
         return self._client
 
     def close(self) -> None:
-        """Drop work submitted ahead; close the LocalCluster this pipeline started, if any."""
+        """Drop work submitted ahead (the embedded cluster, if used, stays for later
+        calls)."""
         self._drop_ahead()
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-            self._client = None
 
     def __enter__(self) -> Pipeline:
         return self

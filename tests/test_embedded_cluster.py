@@ -1,0 +1,77 @@
+"""One embedded LocalCluster per process: started by the first call that needs a cluster,
+reused by every later one, its dashboard on 127.0.0.1 announced once, closed at exit; a
+client the user made wins. Each case runs as a fresh user process would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import dasktrain as dt
+
+    def main(out, own_client):
+        torch.set_num_threads(1)
+        user = None
+        if own_client:
+            from distributed import Client, LocalCluster
+            cluster = LocalCluster(n_workers=1, threads_per_worker=1, host="127.0.0.1",
+                                   dashboard_address=None)
+            user = Client(cluster)
+        data = dt.prepare("regression", os.path.join(out, "a.zarr"), samples=400, width=4,
+                          chunk_rows=100, progress=False)
+        dt.prepare("regression", os.path.join(out, "b.zarr"), samples=400, width=4,
+                   chunk_rows=100, progress=False)
+        batches = sum(1 for _ in dt.Pipeline(data, 50))
+        trainer = dt.Trainer(lambda: torch.nn.Linear(4, 1), torch.nn.functional.mse_loss,
+                             dt.optim.sgd(0.01), workers=2, batch_size=25, progress=False)
+        trainer.fit(data, epochs=1)
+        from dasktrain import _cluster
+        embedded = _cluster._embedded
+        pids = [] if embedded is None else list(
+            embedded[1].run(os.getpid).values())
+        users = [] if user is None else list(user.run(os.getpid).values())
+        print(json.dumps({"batches": batches, "pids": pids, "users": users}))
+
+    if __name__ == "__main__":
+        main(sys.argv[1], sys.argv[2] == "own")
+""")
+
+
+def _run(tmp_path, mode: str) -> tuple[subprocess.CompletedProcess, dict]:
+    script = tmp_path / "user.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), mode],
+                          capture_output=True, text=True, timeout=170,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_one_embedded_cluster_serves_every_call_and_closes_at_exit(tmp_path):
+    done, result = _run(tmp_path, "embedded")
+    assert result["batches"] == 8
+    announcements = [line for line in done.stderr.splitlines()
+                     if "started a local Dask cluster" in line]
+    # Two prepares, a pipeline and a fit: one cluster, announced once, with its dashboard
+    # on loopback.
+    assert len(announcements) == 1, done.stderr
+    assert "dashboard: http://127.0.0.1:" in announcements[0]
+    # Its worker processes are gone once the process has exited.
+    assert result["pids"] and not any(psutil.pid_exists(p) for p in result["pids"])
+
+
+@pytest.mark.slow
+def test_a_client_the_user_made_wins(tmp_path):
+    done, result = _run(tmp_path, "own")
+    assert "started a local Dask cluster" not in done.stderr
+    assert result["pids"] == [] and len(result["users"]) == 1
