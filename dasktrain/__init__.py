@@ -4,6 +4,7 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from dasktrain._cluster import get_client
 from dasktrain.datasets import (
     Dataset,
     DatasetError,
@@ -71,6 +72,7 @@ __all__ = [
     "WorkersPaused",
     "__version__",
     "describe",
+    "get_client",
     "open_dataset",
     "optim",
     "prepare",

@@ -28,6 +28,7 @@ __all__ = [
     "cluster_client",
     "default_local_cluster_options",
     "embedded_client",
+    "get_client",
     "start_local_cluster",
     "worker_info",
 ]
@@ -104,10 +105,17 @@ def cluster_client(
             own.close()
         return
     if n_workers is None and memory_limit is None:
-        yield _users_client() or embedded_client()
+        yield get_client()
         return
     with start_local_cluster(n_workers, memory_limit) as cluster, Client(cluster) as own:
         yield own
+
+
+def get_client() -> Client:
+    """The client dasktrain runs on when none is given: the one made in this process, else
+    the embedded cluster's (started now if needed). Shown in a notebook, it links to the
+    Dask dashboard."""
+    return _users_client() or embedded_client()
 
 
 def _users_client() -> Client | None:

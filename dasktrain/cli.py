@@ -25,7 +25,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_cluster(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", metavar="ADDRESS",
-                        help="use the Dask cluster at ADDRESS (default: start a LocalCluster)")
+                        help="use the Dask cluster at ADDRESS (default: start a LocalCluster "
+                             "on 127.0.0.1)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 

@@ -316,8 +316,8 @@ def prepare(
     out
         Local directory of the new dataset (on storage every worker can reach).
     client, scheduler
-        Run on this client or on the cluster at this address; by default a LocalCluster is
-        started for the call and closed afterwards.
+        Run on this client or on the cluster at this address; by default on the client
+        made in this process, else on the process's embedded LocalCluster.
     progress
         Show a progress bar per pass.
     config, **options

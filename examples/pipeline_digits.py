@@ -4,7 +4,7 @@ Run after ``dasktrain prepare digits data/digits.zarr --split train=0.8,val=0.2 
 
     .venv/bin/python examples/pipeline_digits.py data/digits.zarr
 
-The pipeline starts a LocalCluster (127.0.0.1) for itself, since no client is given.
+The pipeline uses the embedded LocalCluster (127.0.0.1), since no client is given.
 """
 
 from __future__ import annotations

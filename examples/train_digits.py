@@ -4,7 +4,8 @@ Run after ``dasktrain prepare digits data/digits.zarr --split train=0.8,val=0.2 
 
     .venv/bin/python examples/train_digits.py data/digits.zarr [--scheduler tcp://host:8786]
 
-Without ``--scheduler`` a LocalCluster (127.0.0.1, one worker process per core) is started.
+Without ``--scheduler`` the embedded LocalCluster (127.0.0.1, one worker process per core)
+is started.
 """
 
 from __future__ import annotations

@@ -60,3 +60,31 @@ def test_train_digits_example_trains_in_both_modes(client, tmp_path):
         assert float(last[0].split("val accuracy ")[1].split()[0]) > 0.85, out
         done = next(line for line in out.splitlines() if line.startswith(f"{mode:5s} done"))
         assert "samples/s" in done and "staleness" in done
+
+
+@pytest.mark.slow
+def test_digits_example_compares_every_mode(client, tmp_path):
+    dt.prepare("digits", tmp_path / "digits.zarr", client=client, split="train=0.8,val=0.2",
+               normalize=True, progress=False)
+    out = _run_example("digits.py", str(tmp_path / "digits.zarr"), "--epochs", "2",
+                       "--out", str(tmp_path / "runs"), "--scheduler",
+                       client.scheduler.address, cwd=tmp_path).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]
+            if line.split() and line.split()[0] in
+            {"sync", "average", "soft", "ssp", "async", "async+dc"}}
+    assert set(rows) == {"sync", "average", "soft", "ssp", "async", "async+dc"}, out
+    for label, row in rows.items():
+        assert float(row[1].rstrip("%")) > 80, (label, out)  # 2 epochs: already > 80 %
+        assert (tmp_path / "runs" / label / "index.html").exists()
+    assert (tmp_path / "runs" / "compare.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_out_of_core_example_streams_and_reports_memory_and_stall(tmp_path):
+    out = _run_example("out_of_core.py", "--rows", "40000", "--dir", str(tmp_path),
+                       cwd=tmp_path).stdout
+    assert "data stall:" in out
+    peaks = [line for line in out.splitlines() if line.startswith("peak memory")]
+    assert len(peaks) == 2, out
+    # Streaming keeps every worker under its limit.
+    assert all(int(line.rsplit("(", 1)[1].rstrip("%)")) < 100 for line in peaks), out

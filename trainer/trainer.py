@@ -356,8 +356,8 @@ class Trainer:
         validation
             Evaluated (mean loss, and accuracy for class labels) after every epoch.
         client
-            Dask client; default: a LocalCluster sized for this machine, started and
-            closed here.
+            Dask client; default: the client made in this process, else the process's
+            embedded LocalCluster (started on first use, reused, closed at exit).
         checkpoint
             Directory for the run's checkpoint, rewritten atomically at every epoch end
             (and every ``checkpoint_every`` updates).
