@@ -74,12 +74,12 @@ def _loss_line(ax: Axes, x: np.ndarray, loss: np.ndarray, label: str | None = No
     if window > 1:
         if raw:
             ax.plot(x, loss, color=color or "C0", alpha=0.25, linewidth=0.8,
-                    label="_per update")
+                    label="_per update", gid="loss")
         ax.plot(x, _moving_mean(loss, window), color=color or "C0", linewidth=1.6,
-                label=label or f"mean of {window} updates")
+                label=label or f"mean of {window} updates", gid="mean loss")
     else:
         ax.plot(x, loss, color=color or "C0", linewidth=1.4, marker="." if len(x) < 60
-                else None, label=label or "per update")
+                else None, label=label or "per update", gid="loss")
 
 
 def _log_scale_if_wide(ax: Axes, values: Sequence[float]) -> None:
@@ -99,7 +99,7 @@ def _loss_panel(ax: Axes, history: History, by: str) -> None:
         ax.set_title("training loss by update")
         for i, (version, _) in enumerate(event_versions(history)[:200]):
             ax.axvline(version, color="C3", alpha=0.5, linewidth=0.9,
-                       label="event" if i == 0 else "_event")
+                       label="event" if i == 0 else "_event", gid="event")
     else:
         x = np.asarray(history.time, dtype=float) - history.time[0]
         ax.set_xlabel("wall time since the first update (s)")
