@@ -33,7 +33,7 @@ h2 { font-size: 1.05em; margin: 18px 0 6px 0; }
   <div class="panel"><canvas id="stall"></canvas></div>
 </div>
 <h2>Events</h2>
-<ol id="events"><li>none yet</li></ol>
+<ol id="events"></ol><p id="no-events">none yet</p>
 <script>
 "use strict";
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
@@ -66,7 +66,7 @@ function frame(canvas, opts) {
   const g = canvas.getContext("2d");
   g.setTransform(dpr, 0, 0, dpr, 0, 0);
   g.clearRect(0, 0, w, h);
-  const left = 58, right = 12, top = 26, bottom = 40;
+  const left = 58, right = 26, top = 26, bottom = 40;
   const pw = w - left - right, ph = h - top - bottom;
   g.fillStyle = "#222"; g.font = "14px system-ui, sans-serif"; g.textAlign = "center";
   g.fillText(opts.title, left + pw / 2, 16);
@@ -237,8 +237,8 @@ function drawStatus() {
     text + `<span class="state ${state}">${label}</span>`;
   const list = document.getElementById("events");
   list.innerHTML = "";
-  const events = d.events.length ? d.events : ["none yet"];
-  for (const e of events.slice(-200)) {
+  document.getElementById("no-events").style.display = d.events.length ? "none" : "block";
+  for (const e of d.events.slice(-200)) {
     const li = document.createElement("li"); li.textContent = e; list.appendChild(li);
   }
 }

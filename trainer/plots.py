@@ -63,19 +63,32 @@ def _moving_mean(values: np.ndarray, window: int) -> np.ndarray:
     return (sums[ends] - sums[starts]) / (ends - starts)
 
 
+def _break_at_pauses(t: np.ndarray, *series: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Insert NaN (a break in the line) where the run paused (between epochs, for
+    validation): a straight line across the pause would suggest losses never measured."""
+    if len(t) < 3:
+        return (t, *series)
+    steps = np.diff(t)
+    pauses = np.nonzero(steps > max(20 * float(np.median(steps)), 0.05))[0] + 1
+    return tuple(np.insert(np.asarray(a, dtype=float), pauses, np.nan) for a in (t, *series))
+
+
 def _smoothing(n: int) -> int:
     return max(1, n // 50)
 
 
 def _loss_line(ax: Axes, x: np.ndarray, loss: np.ndarray, label: str | None = None,
-               color: Any = None, raw: bool = True) -> None:
+               color: Any = None, raw: bool = True, by_time: bool = False) -> None:
     """The per-update loss, faint, under its moving mean (noisy losses stay readable)."""
     window = _smoothing(len(loss))
+    mean = _moving_mean(loss, window)
+    if by_time:
+        x, loss, mean = _break_at_pauses(x, loss, mean)
     if window > 1:
         if raw:
             ax.plot(x, loss, color=color or "C0", alpha=0.25, linewidth=0.8,
                     label="_per update", gid="loss")
-        ax.plot(x, _moving_mean(loss, window), color=color or "C0", linewidth=1.6,
+        ax.plot(x, mean, color=color or "C0", linewidth=1.6,
                 label=label or f"mean of {window} updates", gid="mean loss")
     else:
         ax.plot(x, loss, color=color or "C0", linewidth=1.4, marker="." if len(x) < 60
@@ -104,7 +117,7 @@ def _loss_panel(ax: Axes, history: History, by: str) -> None:
         x = np.asarray(history.time, dtype=float) - history.time[0]
         ax.set_xlabel("wall time since the first update (s)")
         ax.set_title("training loss by wall time")
-    _loss_line(ax, x, loss)
+    _loss_line(ax, x, loss, by_time=by == "time")
     _log_scale_if_wide(ax, history.loss)
     ax.set_ylabel("loss")
     ax.legend(loc="upper right", fontsize="small")
@@ -328,7 +341,8 @@ def overview_figure(history: History) -> Figure:
 
 FIGURES: dict[str, tuple[Callable[[History], Figure], str]] = {
     "loss": (loss_figure, "Training loss (per update, faint, and its moving mean) by update "
-                          "and by wall time; red lines mark the holder's events."),
+                          "and by wall time (gaps: pauses between epochs); red lines mark "
+                          "the holder's events."),
     "metrics": (metrics_figure, "Training and validation metrics per epoch."),
     "staleness": (staleness_figure, "Staleness of every gradient received: applied, and "
                                     "dropped where the mode drops late ones."),
@@ -421,7 +435,7 @@ def compare(histories: Mapping[str, History] | Sequence[History],
             loss = np.asarray(h.loss, dtype=float)
             _loss_line(by_update, np.asarray(h.version), loss, name, color, raw=False)
             _loss_line(by_time, np.asarray(h.time, dtype=float) - h.time[0], loss, name,
-                       color, raw=False)
+                       color, raw=False, by_time=True)
         _compare_metric(per_epoch, h, metric, name, color)
         points = [(r["epoch"], r["samples_per_s"]) for r in h.epochs
                   if r.get("samples_per_s") is not None]
