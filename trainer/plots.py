@@ -376,10 +376,23 @@ def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
 
 
 def _show_inline_in_notebooks() -> None:
-    # A Jupyter kernel's inline backend registers how figures display when pyplot loads;
-    # elsewhere pyplot is never imported (it could pick a GUI toolkit).
-    if "ipykernel" in sys.modules:
-        import matplotlib.pyplot  # noqa: F401
+    """In a Jupyter kernel, have figures display as PNG when none of the kernel's display
+    formatters knows them yet (matplotlib's inline backend registers one only once pyplot
+    has made a figure; ours are made without pyplot)."""
+    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
+        return
+    shell = sys.modules["IPython"].get_ipython()
+    if shell is None:
+        return
+    for formatter in shell.display_formatter.formatters.values():
+        try:
+            formatter.lookup_by_type(Figure)
+            return  # the user's or the inline backend's choice stands
+        except KeyError:
+            continue
+    from IPython.core.pylabtools import select_figure_formats
+
+    select_figure_formats(shell, {"png"})
 
 
 # -- several runs ----------------------------------------------------------------------
