@@ -4,6 +4,7 @@ from 127.0.0.1 and needs nothing else, and the server is gone once the fit ends.
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -82,9 +83,17 @@ def test_the_live_view_serves_the_run_while_it_goes(client, regression, capsys):
         _get(url + "data.json")
 
 
-def test_the_live_view_can_be_closed_without_a_fit():
+def test_the_live_view_can_be_closed_without_a_fit_and_names_a_taken_port():
     view = dt.LiveView(show_url=False)
     view.close()  # nothing started: nothing to do
     assert view.url is None
     with pytest.raises(ValueError, match="port must be"):
         dt.LiveView(port=70000)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        view = dt.LiveView(port=port, show_url=False)
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            view.on_fit_start(dt.Trainer(mlp, mse, dt.optim.sgd(0.1), progress=False))
+        assert view.url is None

@@ -194,6 +194,10 @@ def _serve(host: str, port: int, state: _State) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("live view: " + format, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        raise OSError(f"the live view cannot listen on {host}:{port}: {exc.strerror or exc} "
+                      "(port=0 picks a free port)") from exc
     server.daemon_threads = True
     return server

@@ -124,8 +124,8 @@ class TensorBoardLogger(Callback):
     ``train/staleness`` (mean of the update's gradients). Per epoch (step = epoch):
     ``epoch/samples_per_s``, ``epoch/stall``, ``epoch/train_<metric>``,
     ``epoch/val_<metric>``, ``workers/stall/<i>``, ``workers/samples_per_s/<i>``, and a
-    histogram of the epoch's staleness. Needs the ``tensorboard`` package
-    (``pip install "dasktrain[tensorboard]"``).
+    histogram of the epoch's staleness. ``every``: log every n-th update only. Needs the
+    ``tensorboard`` package (``pip install "dasktrain[tensorboard]"``).
     """
 
     def __init__(self, log_dir: str | os.PathLike, every: int = 1) -> None:
@@ -200,6 +200,8 @@ class MLflowLogger(Callback):
     tracking_uri
         Where to log (``http://host:5000``, ``sqlite:///mlflow.db``); default: MLflow's own
         (``MLFLOW_TRACKING_URI``).
+    every
+        Log the loss of every n-th update only (epoch metrics are always logged).
 
     Inside ``with mlflow.start_run():`` (and no argument given) the fit logs to that run
     and leaves it open. Needs ``mlflow`` (``pip install "dasktrain[mlflow]"``).
