@@ -69,7 +69,9 @@ def _break_at_pauses(t: np.ndarray, *series: np.ndarray) -> tuple[np.ndarray, ..
     if len(t) < 3:
         return (t, *series)
     steps = np.diff(t)
-    pauses = np.nonzero(steps > max(20 * float(np.median(steps)), 0.05))[0] + 1
+    # A pause: far longer than a usual step, and long enough to see at this scale.
+    gap = max(20 * float(np.median(steps)), 0.02 * float(t[-1] - t[0]))
+    pauses = np.nonzero(steps > gap)[0] + 1
     return tuple(np.insert(np.asarray(a, dtype=float), pauses, np.nan) for a in (t, *series))
 
 
