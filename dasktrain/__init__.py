@@ -32,7 +32,7 @@ _LAZY = {
     "LiveView": "dasktrain.trainer.live",
     "MLflowLogger": "dasktrain.trainer.loggers",
     "TensorBoardLogger": "dasktrain.trainer.loggers",
-    "compare": "dasktrain.trainer.plots",
+    "compare": "dasktrain.trainer.compare",
     "EarlyStopping": "dasktrain.trainer",
     "History": "dasktrain.trainer",
     "HolderLost": "dasktrain.trainer",
