@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from dasktrain.trainer.files import write_atomically
 from dasktrain.trainer.records import PER_GRADIENT, PER_UPDATE
 
-__all__ = ["History"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["HISTORY_FORMAT", "History"]
+
+HISTORY_FORMAT = "dasktrain.History/1"
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,20 +125,59 @@ class History:
     def from_dict(cls, values: dict[str, Any]) -> History:
         return cls(**values)
 
-    def plot(self, ax: Any = None) -> Any:
-        """Loss per update (needs matplotlib)."""
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the whole history as JSON (atomically: a temporary sibling renamed into
+        place), to compare runs later with :meth:`load` and :func:`dasktrain.compare`;
+        returns the file written."""
+        document = {"format": HISTORY_FORMAT, "history": self.to_dict()}
+        return write_atomically(path, json.dumps(document, default=_plain))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> History:
+        """Read a history written by :meth:`save`."""
+        path = Path(path)
         try:
-            import matplotlib.pyplot as plt
-        except ImportError as exc:
-            raise ImportError("History.plot needs matplotlib: pip install matplotlib") \
-                from exc
-        if ax is None:
-            _, ax = plt.subplots()
-        ax.plot(self.version, self.loss)
-        ax.set_xlabel("update")
-        ax.set_ylabel("training loss")
-        ax.set_title(f"{self.mode}, {self.workers} worker(s)")
-        return ax
+            document = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a saved History (not JSON: {exc})") from None
+        if not isinstance(document, dict) or document.get("format") != HISTORY_FORMAT:
+            raise ValueError(f"{path} is not a saved History (History.save writes "
+                             f"format {HISTORY_FORMAT!r})")
+        values = document["history"]
+        unknown = sorted(set(values) - _OWN)
+        if unknown:
+            raise ValueError(f"{path} holds History fields this version does not know: "
+                             f"{unknown}")
+        return cls.from_dict(values)
+
+    def plot(self, kind: str = "overview") -> Figure:
+        """A figure of the run, shown inline in a notebook.
+
+        ``kind``: ``"overview"`` (loss by update and by wall time, the first epoch metric,
+        staleness), ``"loss"``, ``"metrics"`` (training and validation per epoch),
+        ``"staleness"``, ``"contributors"``, ``"workers"`` (data stall and samples/s per
+        worker per epoch) or ``"events"``. ``fig.savefig("x.png")`` writes it.
+        """
+        from dasktrain.trainer.plots import figure
+
+        return figure(self, kind)
+
+    def report(self, path: str | os.PathLike) -> Path:
+        """Write a report into the directory ``path``: a PNG per figure and ``index.html``,
+        one self-contained page (summary table, epochs, figures, events) that names each
+        figure's PNG. Returns the page's path."""
+        from dasktrain.trainer.report import write_report
+
+        return write_report(self, path)
+
+
+def _plain(value: Any) -> Any:
+    """JSON for the numpy scalars and tuples a record may hold."""
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"cannot save a {type(value).__name__} in a History")
 
 
 _OWN = frozenset(f.name for f in dataclasses.fields(History))

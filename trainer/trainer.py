@@ -547,6 +547,12 @@ class Trainer:
             # How each worker reached the holder: in its process, direct channel, actor.
             "exchange_via": dict(Counter(r["exchange_via"] for r in reports)),
             "train": _merged_metrics(reports),
+            # Per worker, so a report can show which replica waited on data or lagged.
+            "per_worker": [
+                {"worker": int(r["worker"]), "samples": int(r["samples"]),
+                 "stall": float(r["stall"]),
+                 "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0}
+                for r in sorted(reports, key=lambda r: r["worker"])],
         }
 
     def _load(self, values: np.ndarray) -> None:
