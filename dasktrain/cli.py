@@ -142,7 +142,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from dasktrain.train_config import load_train_config
-    from dasktrain.train_run import run_training
+    from dasktrain.train_run import after_stop, run_training
     from dasktrain.trainer.errors import TrainerError
 
     progress = not args.no_progress
@@ -152,12 +152,11 @@ def _train(args: argparse.Namespace) -> int:
         result = run_training(config, run_dir, scheduler=args.scheduler, resume=args.resume,
                               progress=progress)
     except TrainerError as exc:  # diverged, holder lost, workers paused: not a bug
-        print(f"dasktrain train: training stopped: {exc} (the last checkpoint is in "
-              f"{run_dir}; continue with --resume)", file=sys.stderr)
+        print(f"dasktrain train: training stopped: {exc} ({after_stop(run_dir, exc)})",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"dasktrain train: interrupted; the last checkpoint is in {run_dir} "
-              "(continue with --resume)", file=sys.stderr)
+        print(f"dasktrain train: interrupted ({after_stop(run_dir)})", file=sys.stderr)
         return 130
     print(result.summary())
     return 0

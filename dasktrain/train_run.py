@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from dasktrain.trainer.history import History
     from dasktrain.trainer.trainer import Trainer
 
-__all__ = ["RunResult", "run_training"]
+__all__ = ["RunResult", "after_stop", "run_training"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +96,18 @@ def _save_history(history: History, directory: RunDirectory) -> tuple[Path | Non
         written = Path(history.report(directory.report))
         report = written / "index.html" if written.is_dir() else written
     return saved, report
+
+
+def after_stop(run_dir: str | os.PathLike, error: BaseException | None = None) -> str:
+    """What is left of a run that stopped (interrupted, or ``error``), and what to do."""
+    from dasktrain.trainer.errors import TrainingDiverged
+
+    directory = RunDirectory(Path(run_dir))
+    if not directory.has_checkpoint():
+        return f"no checkpoint was written in {directory.path}"
+    if isinstance(error, TrainingDiverged):  # resuming as it is would diverge again
+        return f"the last checkpoint before it is in {directory.checkpoint}"
+    return f"the last checkpoint is in {directory.checkpoint}: continue with --resume"
 
 
 def run_training(config: TrainConfig, run_dir: str | os.PathLike | None = None, *,

@@ -159,6 +159,18 @@ def test_resume_continues_the_run(client, digits, tmp_path, capsys):
                                                      str(tmp_path / "new"))
 
 
+def test_a_diverged_run_says_so_in_one_line(client, digits, tmp_path, capsys):
+    path = _write(tmp_path, _config(digits, optimizer={"lr": 1e30}))
+    assert main(["train", str(path), "--no-progress", "--scheduler",
+                 client.scheduler.address]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("dasktrain train: training stopped: training diverged"), err
+    assert "no checkpoint was written" in err[0]
+    # Nothing to resume: the same command may start the run afresh.
+    assert RunDirectory(tmp_path / "runs" / "small").start(resume=False) is None
+
+
 @pytest.mark.parametrize(("sections", "fragments"), [
     ({"trainer": {"wait_fr": 1}}, ["unknown key [trainer] wait_fr", "wait_for"]),
     ({"model": {"factory": "missing.py:mlp"}}, ["[model] factory", "missing.py"]),
