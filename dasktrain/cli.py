@@ -70,6 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("verify", help="read every chunk and check it")
     check.add_argument("path")
     _add_cluster(check)
+    _add_train(commands)
     return parser
 
 
@@ -107,7 +108,62 @@ def _verify(args: argparse.Namespace) -> int:
     return 1
 
 
-_COMMANDS = {"prepare": _prepare, "info": _info, "verify": _verify}
+# -- train ---------------------------------------------------------------------------------
+class _TrainHelp(argparse.Action):
+    """``train --help`` with every config key: the reference is built from the Trainer's
+    signature, so it imports torch, which no other command should pay for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show this help and every "
+                         "config key, then exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object
+                 ) -> None:
+        from dasktrain.train_keys import config_reference
+
+        parser.epilog = config_reference()
+        parser.print_help()
+        parser.exit()
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser(
+        "train", help="train a model as a TOML config file says, into a run directory",
+        description="Train a model as CONFIG.toml says (see examples/digits.toml), writing "
+                    "a run directory: config.toml (resolved), metrics.jsonl, checkpoint/, "
+                    "model.pt, and the History and its report where available.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    train.add_argument("-h", "--help", action=_TrainHelp)
+    train.add_argument("config", help="the TOML config file")
+    train.add_argument("--run-dir", metavar="DIR", help="run directory (default: [run] dir)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in the run directory from its checkpoint")
+    _add_cluster(train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dasktrain.train_config import load_train_config
+    from dasktrain.train_run import after_stop, run_training
+    from dasktrain.trainer.errors import TrainerError
+
+    progress = not args.no_progress
+    config = load_train_config(args.config, progress=progress)
+    run_dir = args.run_dir or config.run_dir
+    try:
+        result = run_training(config, run_dir, scheduler=args.scheduler, resume=args.resume,
+                              progress=progress)
+    except TrainerError as exc:  # diverged, holder lost, workers paused: not a bug
+        print(f"dasktrain train: training stopped: {exc} ({after_stop(run_dir, exc)})",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"dasktrain train: interrupted ({after_stop(run_dir)})", file=sys.stderr)
+        return 130
+    print(result.summary())
+    return 0
+
+
+_COMMANDS = {"prepare": _prepare, "info": _info, "verify": _verify, "train": _train}
 
 
 class _QuietAfterInterrupt(logging.Filter):
