@@ -7,8 +7,8 @@
       metrics.jsonl      one JSON line per update ("kind": "update") and per epoch ("epoch")
       checkpoint/        the resumable state (checkpoint.pt, checkpoint-updates.jsonl)
       model.pt           the final model: dt.Trainer.load(path, model=factory)
-      history.json       the History (History.save), where the History can save itself
-      report/            the run report (History.report: index.html and figures), likewise
+      history.json       the History (History.save)
+      report/            the run report (History.report: index.html and figures)
 
 Every file is written atomically (a temporary sibling renamed into place) except
 ``metrics.jsonl``, which grows a line at a time; a resume first cuts it back to what the
@@ -20,70 +20,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain._durable import fsync_directory
-from dasktrain.trainer.callbacks import Callback
 from dasktrain.trainer.checkpoint import checkpoint_file, load_checkpoint
-from dasktrain.trainer.update_log import rows_of
+from dasktrain.trainer.files import write_atomically
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.trainer import Trainer
+    pass
 
-__all__ = ["JsonLinesMetrics", "RunDirectory", "write_atomically"]
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a flushed temporary sibling and a rename."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    # os.open, not mkstemp: the file gets the usual permissions (umask), not 0600.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
-
-
-def _plain(value: Any) -> Any:
-    """numpy scalars and other number-likes as JSON numbers; anything else as text."""
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
-
-
-def _line(kind: str, values: dict[str, Any]) -> str:
-    return json.dumps({"kind": kind, **values}, default=_plain) + "\n"
-
-
-class JsonLinesMetrics(Callback):
-    """Appends one JSON line per update (``"kind": "update"``: version, loss, samples,
-    time and the per-gradient lists) and per epoch (``"kind": "epoch"``: the epoch record
-    of the History) to ``path``, flushed as they come, so a running fit can be followed
-    with ``tail -f``."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-
-    def _write(self, lines: list[str]) -> None:
-        if lines:
-            with self.path.open("a", encoding="utf-8") as f:
-                f.writelines(lines)
-
-    def on_update(self, trainer: Trainer, records: dict[str, list]) -> None:
-        if records.get("version"):
-            self._write([_line("update", row) for row in rows_of(records)])
-
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        self._write([_line("epoch", record)])
+__all__ = ["RunDirectory"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dasktrain._cluster import cluster_client
-from dasktrain.run_dir import JsonLinesMetrics, RunDirectory
+from dasktrain.run_dir import RunDirectory
 from dasktrain.trainer.callbacks import Callback
+from dasktrain.trainer.loggers import JsonLinesLogger
 
 if TYPE_CHECKING:
     from dasktrain.train_config import TrainConfig
@@ -25,10 +26,10 @@ class RunResult:
 
     directory: RunDirectory
     history: History
-    report: Path | None
-    """The report's page, when the History can write one (``History.report``)."""
-    saved_history: Path | None
-    """The History's file, when the History can save itself (``History.save``)."""
+    report: Path
+    """The run report's page (``History.report``)."""
+    saved_history: Path
+    """The History's file (``History.save``)."""
 
     def summary(self) -> str:
         """Where everything is, and how the run ended."""
@@ -82,20 +83,13 @@ class _EpochLines(Callback):
 
 def _metrics_callback(path: Path) -> Callback:
     """The callback writing ``metrics.jsonl``."""
-    return JsonLinesMetrics(path)
+    return JsonLinesLogger(path)
 
 
-def _save_history(history: History, directory: RunDirectory) -> tuple[Path | None,
-                                                                       Path | None]:
-    """The History's file and report, where this History has ``save``/``report``."""
-    saved = report = None
-    if hasattr(history, "save"):
-        history.save(directory.history)
-        saved = directory.history
-    if hasattr(history, "report"):
-        written = Path(history.report(directory.report))
-        report = written / "index.html" if written.is_dir() else written
-    return saved, report
+def _save_history(history: History, directory: RunDirectory) -> tuple[Path, Path]:
+    """The History's file and its run report (``index.html``)."""
+    history.save(directory.history)
+    return directory.history, Path(history.report(directory.report))
 
 
 def after_stop(run_dir: str | os.PathLike, error: BaseException | None = None) -> str:

@@ -17,7 +17,8 @@ from urllib.parse import parse_qs, urlparse
 
 from dasktrain.trainer.callbacks import Callback
 from dasktrain.trainer.live_page import PAGE
-from dasktrain.trainer.loggers import split_updates, strict_json
+from dasktrain.trainer.loggers import strict_json
+from dasktrain.trainer.update_log import rows_of
 
 if TYPE_CHECKING:
     from dasktrain.trainer.history import History
@@ -45,7 +46,7 @@ class _State:
 
     def add_updates(self, records: dict[str, list]) -> None:
         with self.lock:
-            for row in split_updates(records):
+            for row in rows_of(records):
                 for name in _UPDATE_FIELDS:
                     self.updates[name].append(row[name])
                 for value, dropped in zip(row.get("staleness", ()),

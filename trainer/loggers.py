@@ -7,34 +7,18 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dasktrain.trainer.callbacks import Callback
-from dasktrain.trainer.records import PER_UPDATE
+from dasktrain.trainer.update_log import rows_of
 
 if TYPE_CHECKING:
     from dasktrain.trainer.history import History
     from dasktrain.trainer.trainer import Trainer
 
 __all__ = ["JsonLinesLogger", "MLflowLogger", "TensorBoardLogger", "epoch_scalars",
-           "split_updates", "strict_json"]
-
-
-def split_updates(records: dict[str, list]) -> Iterator[dict[str, Any]]:
-    """One dict per update of a batch of records (as :meth:`Callback.on_update` gets
-    them), each with its own gradients' entries as lists (``staleness``, ...)."""
-    per_gradient = [name for name in records if name not in PER_UPDATE]
-    start = 0
-    for i in range(len(records.get("loss", ()))):
-        row: dict[str, Any] = {name: records[name][i] for name in PER_UPDATE
-                               if name in records}
-        end = start + int(row.get("gradients", 0))
-        for name in per_gradient:
-            row[name] = records[name][start:end]
-        start = end
-        yield row
+           "strict_json"]
 
 
 def epoch_scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -105,7 +89,7 @@ class JsonLinesLogger(Callback):
             f.flush()
 
     def on_update(self, trainer: Trainer, records: dict[str, list]) -> None:
-        self._write([{"kind": "update", **row} for row in split_updates(records)
+        self._write([{"kind": "update", **row} for row in rows_of(records)
                      if int(row["version"]) % self.every == 0])
 
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
@@ -147,7 +131,7 @@ class TensorBoardLogger(Callback):
     def on_update(self, trainer: Trainer, records: dict[str, list]) -> None:
         if self.writer is None:
             return
-        for row in split_updates(records):
+        for row in rows_of(records):
             self._staleness.extend(row.get("staleness", ()))
             step = int(row["version"])
             if step % self.every:
@@ -258,7 +242,7 @@ class MLflowLogger(Callback):
         if self.run_id is None:
             return
         self._log([("loss", row["loss"], int(row["version"]), row["time"])
-                   for row in split_updates(records) if int(row["version"]) % self.every == 0])
+                   for row in rows_of(records) if int(row["version"]) % self.every == 0])
 
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.run_id is None:
