@@ -8,6 +8,7 @@ error (a bug) shows its traceback and exits with status 1, so it is reported, no
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -29,6 +30,24 @@ def _add_cluster(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
+def _storage_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE``; the value is read as JSON where it is JSON (``true``, ``3``, ``{...}``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def _add_storage(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-option", dest="storage_options", action="append",
+                        type=_storage_option, default=[], metavar="KEY=VALUE",
+                        help="fsspec option for a URL (s3://...), e.g. endpoint_url=http://... "
+                             "or anon=true; repeatable")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from dasktrain.datasets import builtin_names
 
@@ -41,7 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Build a dasktrain Zarr dataset with Dask.")
     prep.add_argument("source", help=f"a .npy/.npz/.csv/.parquet file or directory, or one of "
                                      f"{', '.join(builtin_names())}")
-    prep.add_argument("out", help="directory of the new dataset")
+    prep.add_argument("out", help="directory or URL (s3://bucket/name.zarr) of the new dataset")
     prep.add_argument("--features", help="comma-separated feature columns (tabular) or the "
                                          "features array name (npz)")
     prep.add_argument("--target", help="target column, npz array name, or .npy file of targets")
@@ -62,13 +81,16 @@ def _build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--compression", default="zstd", choices=["zstd", "blosc", "none"])
     prep.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     _add_cluster(prep)
+    _add_storage(prep)
 
     info = commands.add_parser("info", help="print a dataset's schema, sizes and splits")
     info.add_argument("path")
+    _add_storage(info)
 
     check = commands.add_parser("verify", help="read every chunk and check it")
     check.add_argument("path")
     _add_cluster(check)
+    _add_storage(check)
     return parser
 
 
@@ -82,7 +104,8 @@ def _prepare(args: argparse.Namespace) -> int:
         split=args.split, seed=args.seed, compression=args.compression,
         overwrite=args.overwrite)
     ds = prepare(args.source, args.out, scheduler=args.scheduler,
-                 progress=not args.no_progress, config=config)
+                 progress=not args.no_progress, config=config,
+                 storage_options=dict(args.storage_options) or None)
     print(describe(ds))
     return 0
 
@@ -90,14 +113,15 @@ def _prepare(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from dasktrain.datasets import describe
 
-    print(describe(args.path))
+    print(describe(args.path, storage_options=dict(args.storage_options) or None))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from dasktrain.datasets import verify
 
-    report = verify(args.path, scheduler=args.scheduler, progress=not args.no_progress)
+    report = verify(args.path, scheduler=args.scheduler, progress=not args.no_progress,
+                    storage_options=dict(args.storage_options) or None)
     if report.ok:
         print(f"ok: {report.url}: {report.chunks_read} chunks read, all checks passed")
         return 0
