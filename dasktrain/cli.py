@@ -48,6 +48,11 @@ def _add_storage(parser: argparse.ArgumentParser) -> None:
                              "or anon=true; repeatable")
 
 
+def _storage(args: argparse.Namespace) -> dict:
+    """``storage_options=`` for the library call, when any were given."""
+    return {"storage_options": dict(args.storage_options)} if args.storage_options else {}
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from dasktrain.datasets import builtin_names
 
@@ -104,8 +109,7 @@ def _prepare(args: argparse.Namespace) -> int:
         split=args.split, seed=args.seed, compression=args.compression,
         overwrite=args.overwrite)
     ds = prepare(args.source, args.out, scheduler=args.scheduler,
-                 progress=not args.no_progress, config=config,
-                 storage_options=dict(args.storage_options) or None)
+                 progress=not args.no_progress, config=config, **_storage(args))
     print(describe(ds))
     return 0
 
@@ -113,7 +117,7 @@ def _prepare(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from dasktrain.datasets import describe
 
-    print(describe(args.path, storage_options=dict(args.storage_options) or None))
+    print(describe(args.path, **_storage(args)))
     return 0
 
 
@@ -121,7 +125,7 @@ def _verify(args: argparse.Namespace) -> int:
     from dasktrain.datasets import verify
 
     report = verify(args.path, scheduler=args.scheduler, progress=not args.no_progress,
-                    storage_options=dict(args.storage_options) or None)
+                    **_storage(args))
     if report.ok:
         print(f"ok: {report.url}: {report.chunks_read} chunks read, all checks passed")
         return 0
