@@ -132,8 +132,9 @@ class StagedPrefix:
             self._remove(self.scratch_name)
             names = _names(self.fs, self.root)
             if self.name not in names or not self.fs.exists(f"{self.root}/{self.name}/zarr.json"):
-                raise RuntimeError(f"the build {join(self.url, self.name)} was deleted before "
-                                   "it was published (another preparation into the same URL?)")
+                raise FileNotFoundError(
+                    f"the build {join(self.url, self.name)} was deleted before it was "
+                    "published (another preparation into the same URL?)")
             previous: list[str] = []
             if "zarr.json" in names:
                 found = self._previous_paths()
