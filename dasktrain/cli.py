@@ -8,6 +8,7 @@ error (a bug) shows its traceback and exits with status 1, so it is reported, no
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -30,6 +31,29 @@ def _add_cluster(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
+def _storage_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE``; the value is read as JSON where it is JSON (``true``, ``3``, ``{...}``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def _add_storage(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-option", dest="storage_options", action="append",
+                        type=_storage_option, default=[], metavar="KEY=VALUE",
+                        help="fsspec option for a URL (s3://...), e.g. endpoint_url=http://... "
+                             "or anon=true; repeatable")
+
+
+def _storage(args: argparse.Namespace) -> dict:
+    """``storage_options=`` for the library call, when any were given."""
+    return {"storage_options": dict(args.storage_options)} if args.storage_options else {}
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from dasktrain.datasets import builtin_names
 
@@ -42,7 +66,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Build a dasktrain Zarr dataset with Dask.")
     prep.add_argument("source", help=f"a .npy/.npz/.csv/.parquet file or directory, or one of "
                                      f"{', '.join(builtin_names())}")
-    prep.add_argument("out", help="directory of the new dataset")
+    prep.add_argument("out", help="directory or URL (s3://bucket/name.zarr) of the new dataset")
     prep.add_argument("--features", help="comma-separated feature columns (tabular) or the "
                                          "features array name (npz)")
     prep.add_argument("--target", help="target column, npz array name, or .npy file of targets")
@@ -63,13 +87,16 @@ def _build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--compression", default="zstd", choices=["zstd", "blosc", "none"])
     prep.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     _add_cluster(prep)
+    _add_storage(prep)
 
     info = commands.add_parser("info", help="print a dataset's schema, sizes and splits")
     info.add_argument("path")
+    _add_storage(info)
 
     check = commands.add_parser("verify", help="read every chunk and check it")
     check.add_argument("path")
     _add_cluster(check)
+    _add_storage(check)
     _add_train(commands)
     return parser
 
@@ -84,7 +111,7 @@ def _prepare(args: argparse.Namespace) -> int:
         split=args.split, seed=args.seed, compression=args.compression,
         overwrite=args.overwrite)
     ds = prepare(args.source, args.out, scheduler=args.scheduler,
-                 progress=not args.no_progress, config=config)
+                 progress=not args.no_progress, config=config, **_storage(args))
     print(describe(ds))
     return 0
 
@@ -92,14 +119,15 @@ def _prepare(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from dasktrain.datasets import describe
 
-    print(describe(args.path))
+    print(describe(args.path, **_storage(args)))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from dasktrain.datasets import verify
 
-    report = verify(args.path, scheduler=args.scheduler, progress=not args.no_progress)
+    report = verify(args.path, scheduler=args.scheduler, progress=not args.no_progress,
+                    **_storage(args))
     if report.ok:
         print(f"ok: {report.url}: {report.chunks_read} chunks read, all checks passed")
         return 0

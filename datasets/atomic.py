@@ -11,8 +11,12 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
+
+import zarr
 
 from dasktrain._durable import fsync_directory
+from dasktrain.datasets.format import ATTRS_KEY
 
 __all__ = ["StagedDirectory", "check_output_path"]
 
@@ -51,9 +55,21 @@ class StagedDirectory:
         target.parent.mkdir(parents=True, exist_ok=True)
         self.path.mkdir()
         self.scratch.mkdir()
+        self.source_scratch = str(self.scratch / "source")
 
-    def publish(self) -> None:
-        """Move the build into place, replacing (and then deleting) any previous target."""
+    def open_group(self) -> zarr.Group:
+        """The build's root group, new and empty."""
+        return zarr.open_group(str(self.path), mode="w")
+
+    def stage_store(self) -> str:
+        """Where the two-pass build keeps its scratch Zarr."""
+        return str(self.scratch / "stage")
+
+    def publish(self, attrs: dict[str, Any] | None = None) -> None:
+        """Record ``attrs`` as the dataset's attributes, then move the build into place,
+        replacing (and then deleting) any previous target."""
+        if attrs is not None:
+            zarr.open_group(str(self.path), mode="r+").attrs[ATTRS_KEY] = attrs
         shutil.rmtree(self.scratch, ignore_errors=True)
         aside = None
         if self.target.exists() or self.target.is_symlink():

@@ -11,10 +11,11 @@ import dask.array as da
 import zarr
 from dask.base import tokenize
 
+from dasktrain._durable import is_url, storage_errors, url_filesystem
 from dasktrain.datasets.errors import DatasetError
 from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION
 
-__all__ = ["Dataset", "open_dataset"]
+__all__ = ["Dataset", "array_path", "open_dataset"]
 
 PathLike = str | os.PathLike
 
@@ -35,9 +36,11 @@ class Dataset:
         stop: int | None = None,
         split_name: str | None = None,
         identity: str | None = None,
+        storage_options: dict | None = None,
     ) -> None:
         self.url = url
         self.group = group
+        self.storage_options = storage_options
         self.attrs: dict[str, Any] = dict(attrs)
         self.start = start
         self.stop = self.attrs["num_samples"] if stop is None else stop
@@ -98,7 +101,7 @@ class Dataset:
         """The Zarr array behind ``name`` (all samples, not only this view's range)."""
         if name not in self.attrs["arrays"]:
             raise KeyError(f"no array {name!r} in {self.url}; arrays: {self.array_names}")
-        return self.group[name]
+        return self.group[array_path(self.attrs, name)]
 
     def __getitem__(self, name: str) -> da.Array:
         z = self.zarr_array(name)
@@ -133,7 +136,7 @@ class Dataset:
             raise ValueError(f"{self!r} is already the split {self.split_name!r}")
         start, stop = splits[name]
         return Dataset(self.url, self.group, self.attrs, start, stop, split_name=name,
-                       identity=self.identity)
+                       identity=self.identity, storage_options=self.storage_options)
 
     def __repr__(self) -> str:
         what = f" split={self.split_name!r}" if self.split_name else ""
@@ -142,6 +145,11 @@ class Dataset:
             for n in self.array_names
         )
         return f"<dasktrain.Dataset {self.url}{what} samples={len(self)} [{shapes}]>"
+
+
+def array_path(attrs: Mapping[str, Any], name: str) -> str:
+    """Where the array ``name`` lives in the dataset's group (its own name by default)."""
+    return str(attrs["arrays"][name].get("path") or name)
 
 
 def _identity_of(url: str, attrs: Mapping[str, Any]) -> str:
@@ -179,14 +187,23 @@ def open_dataset(path: PathLike, *, storage_options: dict | None = None) -> Data
         When nothing is there, or it is not a dasktrain dataset of a known format version.
     """
     url = _as_url(path)
-    try:
-        group = zarr.open_group(url, mode="r", storage_options=storage_options)
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
-        if "://" not in url and os.path.exists(url):
-            raise DatasetError(f"{url} is not a dasktrain dataset: no Zarr group there") from exc
-        raise DatasetError(f"no dataset at {url}: nothing there") from exc
-    except (zarr.errors.BaseZarrError, ValueError, TypeError) as exc:
-        raise DatasetError(f"{url} is not a Zarr v3 group: {exc}") from exc
+    with storage_errors(url):  # an unreachable store or a missing fsspec package
+        if is_url(url):
+            # One plain request first: zarr asks for several keys at once, and when the
+            # store cannot be reached the abandoned requests litter stderr at exit.
+            fs, root = url_filesystem(url, storage_options)
+            fs.invalidate_cache(root)  # written by another process, maybe since a listing
+            if not fs.exists(f"{root}/zarr.json"):
+                raise DatasetError(f"no dataset at {url}: nothing there")
+        try:
+            group = zarr.open_group(url, mode="r", storage_options=storage_options)
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+            if "://" not in url and os.path.exists(url):
+                raise DatasetError(f"{url} is not a dasktrain dataset: no Zarr group there"
+                                   ) from exc
+            raise DatasetError(f"no dataset at {url}: nothing there") from exc
+        except (zarr.errors.BaseZarrError, ValueError, TypeError) as exc:
+            raise DatasetError(f"{url} is not a Zarr v3 group: {exc}") from exc
     attrs = group.attrs.get(ATTRS_KEY)
     if not isinstance(attrs, Mapping):
         raise DatasetError(
@@ -199,7 +216,8 @@ def open_dataset(path: PathLike, *, storage_options: dict | None = None) -> Data
             f"{url} has dataset format version {version!r}; this dasktrain reads version "
             f"{FORMAT_VERSION}"
         )
-    missing = [name for name in attrs["arrays"] if name not in group]
+    with storage_errors(url):
+        missing = [name for name in attrs["arrays"] if array_path(attrs, name) not in group]
     if missing:
         raise DatasetError(f"{url} lists arrays {missing} that are not in the group")
-    return Dataset(url, group, attrs)
+    return Dataset(url, group, attrs, storage_options=storage_options)

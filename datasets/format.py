@@ -19,6 +19,11 @@ it. Everything else lives in the group attribute ``"dasktrain"``::
 
 Splits are contiguous sample ranges, so a split is a slice and reading it touches only the
 chunks it covers.
+
+An array's entry may name its ``"path"`` within the group (default: its name). Datasets on
+object storage use it: each build writes its arrays under its own prefix
+(``dasktrain-build-<dataset_id>/x``) and the group's ``zarr.json``, written last in one
+PUT, points at them; see :mod:`dasktrain.datasets.remote`.
 """
 
 from __future__ import annotations

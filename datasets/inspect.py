@@ -12,8 +12,9 @@ import zarr
 from distributed import Client
 
 from dasktrain._cluster import cluster_client
+from dasktrain._durable import StorageOptions, is_url, storage_errors, url_filesystem
 from dasktrain._progress import gather_with_progress
-from dasktrain.datasets.dataset import Dataset, open_dataset
+from dasktrain.datasets.dataset import Dataset, array_path, open_dataset
 from dasktrain.datasets.errors import DatasetError
 from dasktrain.datasets.stats import merge_all, summary_of
 
@@ -28,9 +29,23 @@ def _human(n: float) -> str:
     return f"{n}"
 
 
-def describe(path: str | Dataset) -> str:
-    """A human-readable summary: schema, sizes, chunking, compression ratio and splits."""
-    ds = path if isinstance(path, Dataset) else open_dataset(path)
+def _stored_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
+    """Bytes an array takes in its store. On object storage one listing of its prefix
+    (zarr would ask for each chunk's size, one request per chunk)."""
+    if not is_url(ds.url):
+        return z.nbytes_stored()
+    fs, root = url_filesystem(ds.url, ds.storage_options)
+    with storage_errors(ds.url):
+        return int(fs.du(f"{root}/{array_path(ds.attrs, name)}"))
+
+
+def describe(path: str | Dataset, *, storage_options: StorageOptions | None = None) -> str:
+    """A human-readable summary: schema, sizes, chunking, compression ratio and splits.
+
+    ``storage_options`` go to fsspec when ``path`` is a URL.
+    """
+    ds = path if isinstance(path, Dataset) else open_dataset(path,
+                                                             storage_options=storage_options)
     attrs = ds.attrs
     lines = [f"dataset   {ds.url}",
              f"samples   {attrs['num_samples']:,} in chunks of {attrs['chunk_rows']:,} rows"]
@@ -38,7 +53,7 @@ def describe(path: str | Dataset) -> str:
     lines.append("arrays")
     for name in ds.array_names:
         z = ds.zarr_array(name)
-        raw, stored = z.nbytes, z.nbytes_stored()
+        raw, stored = z.nbytes, _stored_bytes(ds, name, z)
         total_raw += raw
         total_stored += stored
         codecs = ", ".join(type(c).__name__.removesuffix("Codec").lower()
@@ -161,13 +176,16 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
 
 
 def verify(path: str | Dataset, *, client: Client | None = None, scheduler: str | None = None,
-           progress: bool = True) -> VerifyReport:
+           progress: bool = True, storage_options: StorageOptions | None = None
+           ) -> VerifyReport:
     """Read every chunk of every array and check shapes, dtypes, finiteness and statistics.
 
     Reading happens in Dask tasks, one per chunk, on the given cluster or a LocalCluster.
     Returns a :class:`VerifyReport`; it raises only when the path is not a dataset at all.
+    ``storage_options`` go to fsspec when ``path`` is a URL (and travel with the tasks).
     """
-    ds = path if isinstance(path, Dataset) else open_dataset(path)
+    ds = path if isinstance(path, Dataset) else open_dataset(path,
+                                                             storage_options=storage_options)
     if ds.split_name is not None:
         raise DatasetError("verify a whole dataset, not a split")
     with cluster_client(client, scheduler) as active:

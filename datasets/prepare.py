@@ -29,14 +29,17 @@ import dask
 import numpy as np
 import zarr
 from distributed import Client
+from zarr.storage import FsspecStore, StoreLike
 
 from dasktrain._cluster import cluster_client
+from dasktrain._durable import StorageOptions, is_url, local_path, strip_url
 from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.atomic import StagedDirectory, check_output_path
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
 from dasktrain.datasets.errors import DatasetError, SourceError
-from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION, chunk_rows_for, row_bytes
+from dasktrain.datasets.format import FORMAT_VERSION, chunk_rows_for, row_bytes
+from dasktrain.datasets.remote import StagedPrefix, check_output_url
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
 from dasktrain.datasets.splits import SplitPlan
 from dasktrain.datasets.stats import Moments, merge_all, summary_of
@@ -78,7 +81,20 @@ def _finite_rows(blocks: dict[str, np.ndarray]) -> np.ndarray:
 def _still_wanted(arrays: dict[str, zarr.Array]) -> None:
     """Refuse to write into a build that was abandoned (cancelled, interrupted, discarded):
     a task already running when the build was cancelled must not recreate its directory."""
-    root = getattr(next(iter(arrays.values())).store, "root", None)
+    store = next(iter(arrays.values())).store
+    if isinstance(store, FsspecStore):
+        # The build's group metadata is written first and deleted with the build.
+        try:
+            zarr.open_group(store, mode="r", zarr_format=3)
+            return
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError):
+            pass
+        # Raised outside the handler: zarr's error as its context would not unpickle on
+        # the client, which would then get a bare Exception instead.
+        raise OSError(f"build {store.fs.protocol}://{store.path} is gone or cannot be seen "
+                      "from this worker: the preparation was abandoned, or the output is "
+                      "storage this worker cannot reach (memory:// is per process)")
+    root = getattr(store, "root", None)
     if root is not None and not os.path.isdir(root):
         raise RuntimeError(f"build directory {root} is gone; the preparation was abandoned")
 
@@ -174,9 +190,9 @@ def _provenance(source: str, src: Source, config: PrepareConfig) -> dict[str, An
     }
 
 
-def _is_dataset(path: Path) -> bool:
+def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None) -> bool:
     try:
-        open_dataset(path)
+        open_dataset(path, storage_options=storage_options)
     except (DatasetError, OSError):
         return False
     return True
@@ -200,13 +216,13 @@ def _write_direct(client: Client, src: Source, root: zarr.Group, blocks: list, s
 
 
 def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, blocks: list,
-                  starts: list[int], lengths: list[int], chunk_rows: int, scratch_path: Path,
+                  starts: list[int], lengths: list[int], chunk_rows: int, scratch_store: StoreLike,
                   plan: SplitPlan | None, config: PrepareConfig, progress: bool
                   ) -> tuple[list, np.ndarray, dict | None]:
     """Two passes through a scratch Zarr: clean and group rows by split, then write."""
     specs = src.specs
     names = list(specs)
-    scratch_root = zarr.open_group(str(scratch_path), mode="w")
+    scratch_root = zarr.open_group(scratch_store, mode="w")
     scratch = {
         name: scratch_root.create_array(
             name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
@@ -251,7 +267,7 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, bl
     return results, counts, normalization
 
 
-def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_path: Path,
+def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_store: StoreLike,
            config: PrepareConfig, progress: bool) -> dict[str, Any]:
     specs = src.specs
     chunk_rows = config.chunk_rows or chunk_rows_for(
@@ -272,7 +288,7 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_p
     num_samples = src.num_samples
     if results is None:
         results, counts, normalization = _write_staged(
-            client, source, src, root, blocks, starts, lengths, chunk_rows, scratch_path, plan,
+            client, source, src, root, blocks, starts, lengths, chunk_rows, scratch_store, plan,
             config, progress)
         num_samples = int(counts.sum())
         if plan is not None:
@@ -303,6 +319,7 @@ def prepare(
     client: Client | None = None,
     scheduler: str | None = None,
     progress: bool = True,
+    storage_options: StorageOptions | None = None,
     config: PrepareConfig | None = None,
     **options: Any,
 ) -> Dataset:
@@ -314,12 +331,16 @@ def prepare(
         A built-in name (``digits``, ``parabola``, ``regression``, ``classification``) or a
         path: ``.npy``/``.npz`` file, CSV or Parquet file, or a directory of them.
     out
-        Local directory of the new dataset (on storage every worker can reach).
+        Local directory of the new dataset, or an fsspec URL (``s3://bucket/digits.zarr``,
+        ``gs://...``); either must be storage every worker can reach.
     client, scheduler
         Run on this client or on the cluster at this address; by default on the client
         made in this process, else on the process's embedded LocalCluster.
     progress
         Show a progress bar per pass.
+    storage_options
+        Passed to fsspec for a URL ``out`` (credentials, ``endpoint_url``...); they travel
+        with the tasks, so workers use them too.
     config, **options
         A :class:`PrepareConfig`, or its fields as keywords (``split="train=0.9,val=0.1"``,
         ``normalize=True``, ``chunk_rows=8192``, ``samples=...``, ``overwrite=True``...).
@@ -338,34 +359,40 @@ def prepare(
 
     Notes
     -----
-    The dataset is built in a hidden sibling of ``out`` and renamed into place at the end: a
-    failed or interrupted run leaves nothing at ``out`` and never damages what was there.
+    A local dataset is built in a hidden sibling of ``out`` and renamed into place at the
+    end: a failed or interrupted run leaves nothing at ``out`` and never damages what was
+    there. At a URL the arrays are written under a prefix of the build's own and the group
+    metadata that makes it a dataset is written last, in one PUT (see
+    :mod:`dasktrain.datasets.remote`).
     """
     if config is not None and options:
         raise TypeError("give either config= or keyword options, not both")
     config = config or PrepareConfig(**options)
     text = os.fspath(out)
-    if "://" in text and not text.startswith("file://"):
-        raise ValueError(f"output {text!r}: write to a local or shared path, then copy it")
-    target = Path(text.removeprefix("file://")).absolute()
-    check_output_path(target, config.overwrite, _is_dataset)
-    staged = StagedDirectory(target)
+    staged: StagedDirectory | StagedPrefix
+    if is_url(text):
+        target = strip_url(text)
+        check_output_url(target, config.overwrite, storage_options,
+                         lambda url: _is_dataset(url, storage_options))
+        staged = StagedPrefix(target, storage_options, config.overwrite)
+    else:
+        target = Path(local_path(text)).absolute()
+        check_output_path(target, config.overwrite, _is_dataset)
+        staged = StagedDirectory(target)
     try:
         # The source checks its schema before a cluster starts: bad input fails fast.
         source_options = SourceOptions(
             features=config.features, target=config.target,
             encode_categorical=config.encode_categorical, samples=config.samples,
             width=config.width, classes=config.classes, noise=config.noise,
-            seed=config.seed, scratch_dir=str(staged.scratch / "source"))
+            seed=config.seed, scratch_dir=staged.source_scratch)
         src = get_source(source, source_options)
         with cluster_client(client, scheduler) as active:
-            root = zarr.open_group(str(staged.path), mode="w")
-            attrs = _build(active, os.fspath(source), src, root, staged.scratch / "stage",
-                           config, progress)
-            root.attrs[ATTRS_KEY] = attrs
-        staged.publish()
+            attrs = _build(active, os.fspath(source), src, staged.open_group(),
+                           staged.stage_store(), config, progress)
+        staged.publish(attrs)
     except BaseException:
         staged.discard()
         raise
     logger.info("prepared %s: %d samples", target, attrs["num_samples"])
-    return open_dataset(target)
+    return open_dataset(target, storage_options=storage_options)

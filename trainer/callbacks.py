@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dasktrain._durable import join, remove
 
 if TYPE_CHECKING:
     from dasktrain.trainer.history import History
@@ -223,20 +224,20 @@ class ModelCheckpoint(_Plateau):
         super().__init__(monitor or "loss", mode, min_delta, patience=0)
         if not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"keep_last must be an integer >= 0, got {keep_last!r}")
-        self.directory = Path(directory)
+        self.directory = os.fspath(directory)  # a local path or a URL (s3://bucket/run)
         self.keep_last = keep_last
         self.track_best = monitor is not None
         self.kept: list[str] = []
 
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.keep_last:
-            path = self.directory / f"epoch-{int(record['epoch']):04d}.pt"
+            path = join(self.directory, f"epoch-{int(record['epoch']):04d}.pt")
             trainer.save(path)
-            self.kept = [p for p in self.kept if p != str(path)] + [str(path)]
+            self.kept = [p for p in self.kept if p != path] + [path]
             while len(self.kept) > self.keep_last:
-                Path(self.kept.pop(0)).unlink(missing_ok=True)
+                remove(self.kept.pop(0))
         if self.track_best and self._improved(record):
-            trainer.save(self.directory / "best.pt")
+            trainer.save(join(self.directory, "best.pt"))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "kept": list(self.kept)}

@@ -2,13 +2,16 @@
 
 The file is a ``torch.save`` of plain containers, numbers, strings and tensors only, and it
 is read with ``torch.load(weights_only=True)``: loading a checkpoint never runs code from it.
-It is written to a temporary sibling, flushed to disk and renamed over the old one, and the
-directory is flushed after the rename, so a crash or power cut mid-write leaves the previous
-checkpoint intact and a completed save survives.
+A local file is written to a temporary sibling, flushed to disk and renamed over the old one,
+and the directory is flushed after the rename, so a crash or power cut mid-write leaves the
+previous checkpoint intact and a completed save survives. On object storage (``s3://``,
+``gs://``...) the file is serialised in memory and uploaded in one PUT, which replaces the
+object atomically: never a partial checkpoint under its key.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from pathlib import Path
@@ -16,7 +19,16 @@ from typing import Any
 
 import torch
 
-from dasktrain._durable import fsync_directory
+from dasktrain._durable import (
+    StorageOptions,
+    fsync_directory,
+    is_url,
+    join,
+    local_path,
+    read_bytes,
+    strip_url,
+    write_bytes_atomic,
+)
 
 __all__ = ["CHECKPOINT_FORMAT", "checkpoint_file", "load_checkpoint", "save_checkpoint"]
 
@@ -24,20 +36,37 @@ CHECKPOINT_FORMAT = 1
 _NAME = "checkpoint.pt"
 
 
-def checkpoint_file(path: str | os.PathLike) -> Path:
-    """The checkpoint file of ``path``: a directory holds ``checkpoint.pt``."""
-    path = Path(path)
+def checkpoint_file(path: str | os.PathLike) -> Path | str:
+    """The checkpoint file of ``path``: a directory holds ``checkpoint.pt``.
+
+    A local path gives a :class:`~pathlib.Path`, a URL (``s3://bucket/run``) a string.
+    """
+    if is_url(path):
+        text = strip_url(os.fspath(path))
+        return text if text.endswith(".pt") else join(text, _NAME)
+    path = Path(local_path(path))
     return path / _NAME if path.suffix != ".pt" else path
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` atomically; returns the file written."""
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
+                    storage_options: StorageOptions | None = None) -> Path | str:
+    """Write ``state`` atomically; returns the file written.
+
+    ``storage_options`` go to fsspec for URLs; without them, its configuration and the
+    environment (e.g. AWS credentials) apply.
+    """
     target = checkpoint_file(path)
+    payload = {"format": CHECKPOINT_FORMAT, **state}
+    if isinstance(target, str):
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        write_bytes_atomic(target, buffer.getvalue(), storage_options)
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"format": CHECKPOINT_FORMAT, **state}, f)
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -48,13 +77,21 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     return target
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, *,
+                    storage_options: StorageOptions | None = None) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` (no code is unpickled)."""
     target = checkpoint_file(path)
-    if not target.is_file():
+    if isinstance(target, str):
+        try:
+            source: Any = io.BytesIO(read_bytes(target, storage_options))
+        except (FileNotFoundError, IsADirectoryError):
+            raise FileNotFoundError(f"no checkpoint at {target}") from None
+    elif not target.is_file():
         raise FileNotFoundError(f"no checkpoint at {target}")
+    else:
+        source = target
     try:
-        state = torch.load(target, weights_only=True, map_location="cpu")
+        state = torch.load(source, weights_only=True, map_location="cpu")
     except Exception as exc:
         raise ValueError(f"{target} is not a readable dasktrain checkpoint: {exc}") from exc
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:

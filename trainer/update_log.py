@@ -7,6 +7,10 @@ its fields (:data:`~dasktrain.trainer.records.PER_UPDATE`) as values and each pe
 field as a list with one entry per gradient recorded for it (``"staleness": […],
 "staleness_worker": […], "scale": […], …``). A resume keeps the lines up to the
 checkpoint's version (later ones are redone) and rewrites the file to those.
+
+Object storage has no append: beside a checkpoint at a URL the log is kept in memory and
+uploaded whole (one PUT, atomic) by :meth:`UpdateLog.sync`, which runs before every
+checkpoint, so the object always holds at least the updates its checkpoint counts.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from dasktrain._durable import fsync_directory
+from dasktrain._durable import (
+    StorageOptions,
+    fsync_directory,
+    read_bytes,
+    write_bytes_atomic,
+)
 from dasktrain.trainer.checkpoint import checkpoint_file
 from dasktrain.trainer.records import PER_GRADIENT, PER_UPDATE
 
@@ -51,34 +60,55 @@ def records_of(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 
 class UpdateLog:
-    """The per-update file of the checkpoint at ``checkpoint`` (a directory or a ``.pt``)."""
+    """The per-update file of the checkpoint at ``checkpoint`` (a directory or a ``.pt``,
+    a local path or a URL)."""
 
-    def __init__(self, checkpoint: str | os.PathLike) -> None:
+    def __init__(self, checkpoint: str | os.PathLike, *,
+                 storage_options: StorageOptions | None = None) -> None:
         target = checkpoint_file(checkpoint)
-        self.path = target.with_name(f"{target.stem}-updates.jsonl")
+        self.storage_options = storage_options
+        self.url: str | None = None
+        if isinstance(target, str):
+            self.url = f"{target.removesuffix('.pt')}-updates.jsonl"
+            self._lines: list[str] = []  # the object's content: what sync uploads
+            self._pending: list[str] = []
+        else:
+            self.path = target.with_name(f"{target.stem}-updates.jsonl")
 
     def read(self, up_to_version: int | None = None) -> list[dict[str, Any]]:
         """The rows written so far (those of versions up to ``up_to_version``)."""
-        if not self.path.is_file():
+        if self.url is not None:
+            try:
+                lines = read_bytes(self.url, self.storage_options).decode().splitlines(True)
+            except FileNotFoundError:
+                return []
+        elif not self.path.is_file():
             return []
+        else:
+            with self.path.open() as f:
+                lines = f.readlines()
         rows = []
-        with self.path.open() as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break  # a line cut short by a crash: the checkpoint never counted it
-                row = json.loads(line)
-                if up_to_version is not None and row["version"] > up_to_version:
-                    break
-                rows.append(row)
+        for line in lines:
+            if not line.endswith("\n"):
+                break  # a line cut short by a crash: the checkpoint never counted it
+            row = json.loads(line)
+            if up_to_version is not None and row["version"] > up_to_version:
+                break
+            rows.append(row)
         return rows
 
     def rewrite(self, records: dict[str, list]) -> None:
         """Replace the file with ``records`` (atomically), e.g. when a run starts or
         resumes."""
+        lines = [json.dumps(row) + "\n" for row in rows_of(records)]
+        if self.url is not None:
+            write_bytes_atomic(self.url, "".join(lines).encode(), self.storage_options)
+            self._lines, self._pending = lines, []
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with tmp.open("w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows_of(records))
+            f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -88,11 +118,21 @@ class UpdateLog:
         """Add the updates of ``records`` (column lists, as the holder reports them)."""
         if not records["version"]:
             return
+        lines = [json.dumps(row) + "\n" for row in rows_of(records)]
+        if self.url is not None:
+            self._pending.extend(lines)
+            return
         with self.path.open("a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows_of(records))
+            f.writelines(lines)
 
     def sync(self) -> None:
         """Make what was appended durable (before a checkpoint that counts on it)."""
+        if self.url is not None:
+            if self._pending:
+                lines = self._lines + self._pending
+                write_bytes_atomic(self.url, "".join(lines).encode(), self.storage_options)
+                self._lines, self._pending = lines, []
+            return
         if self.path.is_file():
             with self.path.open("rb+") as f:
                 os.fsync(f.fileno())

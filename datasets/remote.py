@@ -1,0 +1,177 @@
+"""Publish a dataset at an fsspec URL (``s3://``, ``gs://``...) atomically, without a rename.
+
+Object stores cannot rename a prefix, but replacing one object is atomic. So a build writes
+its arrays under a prefix of its own inside the dataset's URL, and the dataset's group
+metadata (``zarr.json``, holding the ``"dasktrain"`` attributes :func:`open_dataset` needs)
+is written LAST, in one PUT, pointing at them::
+
+    s3://bucket/digits.zarr/zarr.json                          <- written last
+    s3://bucket/digits.zarr/dasktrain-build-3f9c.../x/...      <- this build's arrays
+    s3://bucket/digits.zarr/dasktrain-build-3f9c...-scratch/   <- two-pass scratch, removed
+
+Until that PUT a reader finds no dataset (a fresh URL) or the previous one, complete (an
+``--overwrite``): never a mix, because the old and the new data live under different
+prefixes. After it, the previous build and any leftovers of interrupted preparations
+(``dasktrain-build-*`` prefixes) are deleted. A reader that opened the previous dataset
+before the swap and still reads from it afterwards loses it, as with a local overwrite:
+reopen after an overwrite.
+
+One preparation per output URL at a time: a publish deletes every other build prefix, so
+two concurrent preparations into one URL can break each other (one of them fails; the
+dataset left is always one whole build).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.group import GroupMetadata
+from zarr.storage import FsspecStore
+
+from dasktrain._durable import (
+    StorageOptions,
+    join,
+    storage_errors,
+    strip_url,
+    url_filesystem,
+)
+from dasktrain.datasets.format import ATTRS_KEY
+
+__all__ = ["BUILD_PREFIX", "StagedPrefix", "check_output_url"]
+
+logger = logging.getLogger(__name__)
+
+#: Prefixes of builds under a dataset's URL; only these are ever deleted by a preparation.
+BUILD_PREFIX = "dasktrain-build-"
+
+
+def _names(fs: Any, root: str) -> list[str]:
+    """The names directly under ``root`` (objects and prefixes); none if nothing is there."""
+    fs.invalidate_cache()  # workers wrote through other instances: never trust a listing cache
+    if not fs.isdir(root):
+        return [root.rsplit("/", 1)[-1]] if fs.isfile(root) else []
+    return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
+
+
+def check_output_url(url: str, overwrite: bool, storage_options: StorageOptions | None,
+                     is_replaceable: Callable[[str], bool]) -> None:
+    """Refuse URLs that must not be written, before any work starts.
+
+    A URL holding a dataset needs ``overwrite``; one holding anything but a dataset or
+    leftovers of our own builds is refused (nothing of a stranger's is ever replaced).
+    """
+    fs, root = url_filesystem(url, storage_options)
+    with storage_errors(url):
+        names = _names(fs, root)
+        if "zarr.json" in names:
+            if not overwrite:
+                raise FileExistsError(f"output {url} already exists; pass --overwrite to "
+                                      "replace it")
+            if not is_replaceable(url):
+                raise FileExistsError(f"output {url} exists and is not a dasktrain dataset; "
+                                      "refusing to replace it")
+            return
+        strangers = [n for n in names if not n.startswith(BUILD_PREFIX)]
+        if strangers:
+            raise FileExistsError(
+                f"output {url} holds other objects ({', '.join(sorted(strangers)[:3])}) and is "
+                "not a dasktrain dataset; refusing to write there")
+        if names:
+            logger.warning("%s holds leftovers of an interrupted preparation (%s); they are "
+                           "deleted once this one is published", url, ", ".join(names))
+
+
+class StagedPrefix:
+    """A build under its own prefix of ``url``; :meth:`publish` makes it the dataset."""
+
+    def __init__(self, url: str, storage_options: StorageOptions | None,
+                 overwrite: bool) -> None:
+        self.url = strip_url(url)
+        self.storage_options = storage_options
+        self.overwrite = overwrite
+        self.fs, self.root = url_filesystem(self.url, storage_options)
+        self.name = f"{BUILD_PREFIX}{uuid.uuid4().hex[:16]}"
+        self.scratch_name = f"{self.name}-scratch"
+        # Compressed .npz members are inflated here; the source itself is a local file.
+        self.source_scratch = tempfile.mkdtemp(prefix="dasktrain-source-")
+        try:
+            with storage_errors(self.url):
+                # The build's own group metadata comes first: it marks the build as alive
+                # (tasks refuse to write once it is gone), and writing it proves the URL
+                # writable before any cluster starts.
+                self._group = zarr.open_group(self._store(self.name), mode="w-")
+        except BaseException:
+            shutil.rmtree(self.source_scratch, ignore_errors=True)
+            raise
+
+    def _store(self, name: str) -> FsspecStore:
+        return FsspecStore.from_url(join(self.url, name), storage_options=self.storage_options,
+                                    read_only=False)
+
+    def open_group(self) -> zarr.Group:
+        """The build's root group (under its own prefix)."""
+        return self._group
+
+    def stage_store(self) -> FsspecStore:
+        """Where the two-pass build keeps its scratch Zarr (reachable by every worker)."""
+        return self._store(self.scratch_name)
+
+    def publish(self, attrs: dict[str, Any]) -> None:
+        """Point the dataset's metadata at this build (one PUT), then delete what it
+        replaced and any leftovers of interrupted builds."""
+        with storage_errors(self.url):
+            self._remove(self.scratch_name)
+            names = _names(self.fs, self.root)
+            if self.name not in names or not self.fs.exists(f"{self.root}/{self.name}/zarr.json"):
+                raise FileNotFoundError(
+                    f"the build {join(self.url, self.name)} was deleted before it was "
+                    "published (another preparation into the same URL?)")
+            previous: list[str] = []
+            if "zarr.json" in names:
+                found = self._previous_paths()
+                if not self.overwrite or found is None:
+                    raise FileExistsError(f"output {self.url} was written while this "
+                                          "preparation ran; refusing to replace it")
+                previous = found
+            arrays = {name: {**meta, "path": f"{self.name}/{name}"}
+                      for name, meta in attrs["arrays"].items()}
+            metadata = GroupMetadata(attributes={ATTRS_KEY: {**attrs, "arrays": arrays}})
+            document = metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
+            self.fs.pipe_file(f"{self.root}/zarr.json", document.to_bytes())
+            for name in names:
+                if name.startswith(BUILD_PREFIX) and name != self.name:
+                    self._remove(name)
+            for path in previous:
+                if not path.startswith(BUILD_PREFIX):  # a dataset copied up from a disk
+                    self._remove(path)
+        shutil.rmtree(self.source_scratch, ignore_errors=True)
+
+    def _previous_paths(self) -> list[str] | None:
+        """Top-level paths of the arrays of the dataset being replaced (None: it is none)."""
+        try:
+            document = json.loads(self.fs.cat_file(f"{self.root}/zarr.json"))
+            arrays = document["attributes"][ATTRS_KEY]["arrays"]
+            return sorted({str(meta.get("path") or name).split("/", 1)[0]
+                           for name, meta in arrays.items()})
+        except (FileNotFoundError, KeyError, TypeError, ValueError):
+            return None
+
+    def _remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(f"{self.root}/{name}", recursive=True)
+
+    def discard(self) -> None:
+        """Delete everything this build wrote; the dataset at the URL is untouched."""
+        with contextlib.suppress(Exception):  # best effort: leftovers go at the next publish
+            self._remove(self.scratch_name)
+            self._remove(self.name)
+        shutil.rmtree(self.source_scratch, ignore_errors=True)
