@@ -1,7 +1,7 @@
 # Two commands for a fresh machine:
 #   make demo   set up, then prepare, inspect and verify a dataset on an embedded LocalCluster,
-#               feed a model from it through the pipeline, and train it with two replicas in
-#               sync and in async mode through the parameter holder
+#               feed a model from it through the pipeline, train it from the shell with a run
+#               report (`dasktrain train`), and compare every update mode in one figure
 #   make test   set up, then run the test suite
 #
 # The install puts a CPU build of torch in place first, so the project's `torch>=` range is
@@ -17,6 +17,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dasktrain-installed
 DEMO_DIR ?= data
+RUNS_DIR ?= runs
 
 .PHONY: setup demo test lint bench clean
 
@@ -39,7 +40,8 @@ demo: setup
 	$(VENV)/bin/dasktrain info $(DEMO_DIR)/digits.zarr
 	$(VENV)/bin/dasktrain verify $(DEMO_DIR)/digits.zarr
 	$(PY) examples/pipeline_digits.py $(DEMO_DIR)/digits.zarr
-	$(PY) examples/train_digits.py $(DEMO_DIR)/digits.zarr
+	$(VENV)/bin/dasktrain train examples/digits.toml --run-dir $(RUNS_DIR)/digits-$$(date +%Y%m%d-%H%M%S)
+	$(PY) examples/digits.py $(DEMO_DIR)/digits.zarr --out $(RUNS_DIR)/modes
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -35,8 +35,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with dt.Pipeline(ds.split("train"), batch_size=64, seed=0, transform=jitter,
-                     block_rows=512) as train:
-        val = dt.Pipeline(ds.split("val"), batch_size=128, shuffle=False, client=train.client)
+                     block_rows=512) as train, \
+            dt.Pipeline(ds.split("val"), batch_size=128, shuffle=False) as val:
         for epoch in range(args.epochs):
             model.train()
             losses = []

@@ -50,19 +50,6 @@ def test_parabola_example_sync_agrees_with_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_digits_example_trains_in_both_modes(client, tmp_path):
-    dt.prepare("digits", tmp_path / "digits.zarr", client=client, split="train=0.8,val=0.2",
-               normalize=True, progress=False)
-    out = _run_example("train_digits.py", str(tmp_path / "digits.zarr"), "--epochs", "2",
-                       cwd=tmp_path).stdout
-    for mode in ("sync", "async"):
-        last = [line for line in out.splitlines() if line.startswith(f"{mode:5s} epoch 1")]
-        assert float(last[0].split("val accuracy ")[1].split()[0]) > 0.85, out
-        done = next(line for line in out.splitlines() if line.startswith(f"{mode:5s} done"))
-        assert "samples/s" in done and "staleness" in done
-
-
-@pytest.mark.slow
 def test_digits_example_compares_every_mode(client, tmp_path):
     dt.prepare("digits", tmp_path / "digits.zarr", client=client, split="train=0.8,val=0.2",
                normalize=True, progress=False)

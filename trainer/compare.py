@@ -117,10 +117,13 @@ def compare(histories: Mapping[str, History] | Sequence[History],
 
 
 def _compare_metric(ax: Axes, history: History, metric: str, name: str, color: str) -> None:
+    labelled = False
     for where, style in (("validation", "-"), ("train", "--")):
         points = [(r["epoch"], float(r[where][metric])) for r in history.epochs
                   if metric in (r.get(where) or {})]
         if points:
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, linestyle=style, marker="o", color=color, label=name)
-            return
+            # One legend entry per run: the line style tells training from validation.
+            ax.plot(xs, ys, linestyle=style, marker="o" if where == "validation" else None,
+                    color=color, label=None if labelled else name)
+            labelled = True
