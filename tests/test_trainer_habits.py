@@ -264,7 +264,7 @@ def test_monitoring_validation_without_validation_data_says_so(client, regressio
 
 def test_model_checkpoint_keeps_the_last_epochs_and_the_best(client, regression, tmp_path):
     keeper = dt.ModelCheckpoint(tmp_path / "models", keep_last=2, monitor="val_loss")
-    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.3, momentum=0.9), "async", workers=2,
+    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.3, momentum=0.9), "sync", workers=2,
                          batch_size=16, progress=False)
     history = trainer.fit(regression, epochs=4, validation=regression, client=client,
                           callbacks=[keeper])
