@@ -127,6 +127,7 @@ def write_bytes_atomic(target: str | os.PathLike, data: bytes,
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
                                dir=directory)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other readers
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

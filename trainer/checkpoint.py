@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import torch
 
 from dasktrain._durable import (
     StorageOptions,
-    fsync_directory,
     is_url,
     join,
     local_path,
@@ -57,23 +55,11 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
     """
     target = checkpoint_file(path)
     payload = {"format": CHECKPOINT_FORMAT, **state}
-    if isinstance(target, str):
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        write_bytes_atomic(target, buffer.getvalue(), storage_options)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_directory(target.parent)
+    # Serialised first, then written whole: one atomic write, local or at a URL (an
+    # object store takes a whole object in one PUT).
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    write_bytes_atomic(target, buffer.getvalue(), storage_options)
     return target
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
-from dasktrain._durable import fsync_directory
+from dasktrain._durable import write_bytes_atomic
 
 __all__ = ["write_atomically"]
 
@@ -18,18 +17,5 @@ def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
     directory is flushed after the rename so a completed write survives a power cut.
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other readers
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_directory(target.parent)
+    write_bytes_atomic(target, data.encode() if isinstance(data, str) else data)
     return target
