@@ -85,6 +85,8 @@ def write_ratios(path: str | os.PathLike, rows: Iterable[Ratio]) -> None:
 
 def _read_ratios(path: Path, benchmark: str) -> list[Ratio]:
     rows = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise ValueError("not a list of rows")
     return [Ratio(**{**row, "benchmark": benchmark}) for row in rows]
 
 
@@ -140,7 +142,10 @@ def run_benchmarks(names: Iterable[str] = BENCHMARKS, *, quick: bool = False,
             elif not out.is_file():
                 result.failed[name] = "it wrote no ratios"
             else:
-                result.rows.extend(_read_ratios(out, name))
+                try:
+                    result.rows.extend(_read_ratios(out, name))
+                except (ValueError, TypeError) as exc:  # not JSON, or not rows
+                    result.failed[name] = f"its ratios are unreadable: {exc}"
     return result
 
 

@@ -83,6 +83,13 @@ def test_a_failing_benchmark_is_named_and_the_others_still_make_the_table(tmp_pa
     assert "dasktrain bench: holder failed: exit status 3" in result.stderr
     assert "dasktrain bench: updates failed: it wrote no ratios" in result.stderr
 
+    (tmp_path / "updates.py").write_text(_script("""\
+        open(args.ratios_json, "w").write('{"not": "rows"}')
+        """))
+    result = run_cli("bench", "--only", "updates", "--benchmarks", str(tmp_path), timeout=60)
+    assert result.returncode == 1
+    assert "updates failed: its ratios are unreadable: not a list of rows" in result.stderr
+
 
 def test_bench_without_the_scripts_is_one_line_and_exit_2(tmp_path):
     result = run_cli("bench", "--benchmarks", str(tmp_path), timeout=60)
