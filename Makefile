@@ -51,12 +51,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The pipeline, holder, update-throughput and straggler benchmarks, then one table of their
+# ratios (their own reports on stderr); preparation throughput has its own table.
 bench: setup
+	$(VENV)/bin/dasktrain bench
 	$(PY) benchmarks/prepare.py
-	$(PY) benchmarks/pipeline.py
-	$(PY) benchmarks/holder.py
-	$(PY) benchmarks/updates.py
-	$(PY) benchmarks/stragglers.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

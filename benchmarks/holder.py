@@ -11,7 +11,8 @@ in one run (medians of ``--repeats`` runs of ``--steps`` steps each, after warm-
 * baseline: ``torch.distributed`` gloo ``all_reduce`` of the same buffer across 2 processes,
   divided by 2, then the same SGD step in each process (what DDP does per step).
 
-Run: ``.venv/bin/python benchmarks/holder.py`` (``--sizes 1 10 100 --steps 20 --repeats 3``).
+Run: ``.venv/bin/python benchmarks/holder.py`` (``--sizes 1 10 100 --steps 20 --repeats 3``;
+``--quick``: 1 MB, 5 steps, once). ``dasktrain bench`` runs it among the others.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
+from dasktrain.bench import Ratio, ratio_of, write_ratios
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 
 WORKERS = 2
 LR = 1e-3
+# shared/benchmarks.md, W2: the step time to reach, as a ratio to gloo's, per size in MB.
+GOALS = {1.0: "≤ 0.8x", 10.0: "≤ 0.8x", 100.0: "≤ 0.6x"}
+QUICK = {"sizes": [1.0], "steps": 5, "warmup": 2, "repeats": 1}
 
 
 class FlatParameters(torch.nn.Module):
@@ -132,14 +137,34 @@ def gloo_step(size: int, steps: int, warmup: int) -> float:
     return max(t for _, t in results)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 10, 100],
                         help="parameter sizes in MB (default 1 10 100)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds, not minutes: 1 MB, 5 steps, once (rough figures)")
+    parser.add_argument("--ratios-json", metavar="PATH",
+                        help="also write the summary rows of `dasktrain bench` there")
+    args = parser.parse_args(argv)
+    if args.quick:  # the quick settings become the defaults; options given still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    return args
+
+
+def ratios(rows: list[tuple]) -> list[Ratio]:
+    """The summary rows: per size, our step time against gloo's."""
+    return [Ratio(workload=f"W2 exchange, {mb:g} MB, sync, 2 workers (ms/step)",
+                  ours=f"{a * 1e3:.1f}", baseline=f"{b * 1e3:.1f} (gloo all_reduce + SGD)",
+                  ratio=ratio_of(a, b), goal=GOALS.get(mb, "—"))
+            for mb, a, _, b, _ in rows]
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     rows = []
     with LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
@@ -168,6 +193,8 @@ def main() -> None:
     print(f"\n(2 trainer workers, holder placement: {rows[0][4]}; medians of "
           f"{args.repeats} x {args.steps} steps; numpy {np.__version__}, torch "
           f"{torch.__version__})")
+    if args.ratios_json:
+        write_ratios(args.ratios_json, ratios(rows))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Measured side by side in one run, medians of ``--repeats``:
 2. read efficiency: the pipeline with an identity transform and no step, against a plain
    sequential zarr read of the same arrays in one process.
 
-Run: ``.venv/bin/python benchmarks/pipeline.py`` (``--costs 5 30 --repeats 3``).
+Run: ``.venv/bin/python benchmarks/pipeline.py`` (``--costs 5 30 --repeats 3``; ``--quick``:
+C = 5 on 16,384 rows, once). ``dasktrain bench`` runs it among the others.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ import zarr
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
+from dasktrain.bench import Ratio, ratio_of, write_ratios
 
 ROWS, WIDTH, CHUNK, BATCH, STEP_S = 200_192, 32, 8_192, 256, 0.020
 _MAT = np.random.default_rng(0).standard_normal((48, 48))
+# shared/benchmarks.md, W1: the stall to reach from the first epoch, per transform cost C.
+GOALS = {5.0: "≤ 2 % stall", 30.0: "≤ 5 % stall"}
+QUICK = {"costs": [5.0], "repeats": 1, "rows": 16_384}
 
 
 def _spin(iterations: int) -> None:
@@ -72,10 +77,10 @@ class CostlyTransform:
         return arrays
 
 
-def make_data(directory: Path, client: Client) -> dt.Dataset:
+def make_data(directory: Path, client: Client, rows: int = ROWS) -> dt.Dataset:
     rng = np.random.default_rng(0)
-    np.save(directory / "x.npy", rng.standard_normal((ROWS, WIDTH), dtype=np.float32))
-    np.save(directory / "y.npy", rng.integers(0, 10, ROWS))
+    np.save(directory / "x.npy", rng.standard_normal((rows, WIDTH), dtype=np.float32))
+    np.save(directory / "y.npy", rng.integers(0, 10, rows))
     return dt.prepare(directory / "x.npy", directory / "w1.zarr", client=client,
                       target=str(directory / "y.npy"), chunk_rows=CHUNK, progress=False)
 
@@ -111,7 +116,7 @@ def sync_batches(path: Path, transform: CostlyTransform, seed: int) -> Iterator:
     """The same loop loading synchronously: read a chunk, transform, cut batches."""
     group = zarr.open_group(str(path), mode="r")
     x, y = group["x"], group["y"]
-    order = np.random.default_rng(seed).permutation(-(-ROWS // CHUNK))
+    order = np.random.default_rng(seed).permutation(-(-x.shape[0] // CHUNK))
     for c in order:
         xs, ys = x[c * CHUNK:(c + 1) * CHUNK], y[c * CHUNK:(c + 1) * CHUNK]
         for a in range(0, len(xs), BATCH):
@@ -130,7 +135,7 @@ class ZarrChunks(torch.utils.data.IterableDataset):
         wid, n = (info.id, info.num_workers) if info else (0, 1)
         group = zarr.open_group(self.path, mode="r")
         x, y = group["x"], group["y"]
-        order = np.random.default_rng(self.seed).permutation(-(-ROWS // CHUNK))
+        order = np.random.default_rng(self.seed).permutation(-(-x.shape[0] // CHUNK))
         for c in order[wid::n]:
             xs, ys = x[c * CHUNK:(c + 1) * CHUNK], y[c * CHUNK:(c + 1) * CHUNK]
             for a in range(0, len(xs), BATCH):
@@ -173,12 +178,14 @@ def epochs(repeats: int, make: Callable[[], Iterable], client: Client, step: boo
     return median_of(first), median_of(second)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--costs", type=float, nargs="+", default=[5.0, 30.0],
                         help="transform cost C in ms per batch of 256")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=ROWS,
+                        help=f"rows of the dataset (default {ROWS:,}, the workload's)")
     parser.add_argument("--block-rows", type=int, default=2048,
                         help="rows per block task; 0 sizes them by --task-ms instead")
     parser.add_argument("--task-ms", type=float, default=120.0,
@@ -187,7 +194,38 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=12)
     parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                         help="fetch batches straight from the workers, not via the scheduler")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds, not minutes: C = 5 on 16,384 rows, once (rough figures)")
+    parser.add_argument("--ratios-json", metavar="PATH",
+                        help="also write the summary rows of `dasktrain bench` there")
+    args = parser.parse_args(argv)
+    if args.quick:  # the quick settings become the defaults; options given still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    return args
+
+
+def ratios(rows: list[tuple], identity: tuple, plain: tuple) -> list[Ratio]:
+    """The summary rows: per cost, stall in the first epoch and throughput from then on,
+    against the DataLoader; then read efficiency against a plain zarr loop."""
+    out = []
+    for cost in dict.fromkeys(r[0] for r in rows):
+        mine = next(r for r in rows if r[0] == cost and r[1].startswith("dasktrain"))
+        loader = next(r for r in rows if r[0] == cost and r[1].startswith("torch"))
+        out.append(Ratio(workload=f"W1 data stall, C = {cost:g} ms/batch, first epoch",
+                         ours=f"{mine[2]:.1%}", baseline=f"{loader[2]:.1%} (DataLoader)",
+                         ratio=ratio_of(mine[2], loader[2]), goal=GOALS.get(cost, "—")))
+        out.append(Ratio(workload=f"W1 samples/s, C = {cost:g} ms/batch, second epoch",
+                         ours=f"{mine[4]:,.0f}", baseline=f"{loader[4]:,.0f} (DataLoader)",
+                         ratio=ratio_of(mine[4], loader[4])))
+    out.append(Ratio(workload="W1 read, identity transform, no step (samples/s)",
+                     ours=f"{identity[1]:,.0f}", baseline=f"{plain[1]:,.0f} (plain zarr loop)",
+                     ratio=ratio_of(identity[1], plain[1])))
+    return out
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     per_ms = calibrate()
     rows = []
@@ -195,7 +233,7 @@ def main() -> None:
             LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                          host="127.0.0.1", dashboard_address=None) as cluster, \
             Client(cluster, direct_to_workers=args.direct) as client:
-        ds = make_data(Path(tmp), client)
+        ds = make_data(Path(tmp), client, args.rows)
         path = Path(tmp) / "w1.zarr"
         for cost in args.costs:
             transform = CostlyTransform(cost, per_ms)
@@ -217,7 +255,7 @@ def main() -> None:
                                           "persistent workers", theirs),
                                          ("synchronous loading (no prefetch)",
                                           (synchronous, synchronous))]:
-                assert first[2] == later[2] == ROWS, (name, first, later)
+                assert first[2] == later[2] == args.rows, (name, first, later)
                 label = f"{name} (block_rows={block_rows})" if name.startswith("dask") else name
                 rows.append((cost, label, first[0], later[0], later[1]))
         _, identity = epochs(args.repeats, lambda: dt.Pipeline(
@@ -227,15 +265,15 @@ def main() -> None:
         def plain_read():
             group = zarr.open_group(str(path), mode="r")
             start = time.perf_counter()
-            for a in range(0, ROWS, CHUNK):
+            for a in range(0, args.rows, CHUNK):
                 group["x"][a:a + CHUNK]
                 group["y"][a:a + CHUNK]
-            return (0.0, ROWS / (time.perf_counter() - start), ROWS)
+            return (0.0, args.rows / (time.perf_counter() - start), args.rows)
 
         plain = median_of([plain_read() for _ in range(args.repeats)])
 
-    print(f"W1 data stall: {ROWS:,} rows x {WIDTH} float32 + int64 labels, chunks of {CHUNK:,}, "
-          f"batches of {BATCH}, step = {STEP_S * 1e3:.0f} ms sleep + MLP; "
+    print(f"W1 data stall: {args.rows:,} rows x {WIDTH} float32 + int64 labels, chunks of "
+          f"{CHUNK:,}, batches of {BATCH}, step = {STEP_S * 1e3:.0f} ms sleep + MLP; "
           f"{args.workers} worker processes; first and second epoch of a fresh loader, medians "
           f"of {args.repeats} loaders; {os.cpu_count()} CPUs")
     print()
@@ -260,7 +298,11 @@ def main() -> None:
              (f"--block-rows {args.block_rows}" if args.block_rows
               else f"--task-ms {args.task_ms:g}"),
              f"--prefetch {args.prefetch}", "--direct" if args.direct else "--no-direct"]
+    if args.rows != ROWS:
+        flags.append(f"--rows {args.rows}")
     print("command: .venv/bin/python benchmarks/pipeline.py " + " ".join(flags))
+    if args.ratios_json:
+        write_ratios(args.ratios_json, ratios(rows, identity, plain))
 
 if __name__ == "__main__":
     main()

@@ -40,7 +40,8 @@ over repeats); the same target for every run. ``--only LABEL...`` runs some conf
 (``sync`` always runs, for the target), among them more than the default ones (``EXTRA``).
 
 Run: ``.venv/bin/python benchmarks/stragglers.py`` (``--epochs 4 --repeats 2``; medians of
-the repeats; about 3.5 minutes on 2 cores).
+the repeats; about 3.5 minutes on 2 cores; ``--quick``: sync, average K=4 and async lr/(1+τ),
+2 epochs of 6,144 rows, once). ``dasktrain bench`` runs it among the others.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ import torch
 from distributed import Client, LocalCluster, get_worker
 
 import dasktrain as dt
+from dasktrain.bench import Ratio, ratio_of, write_ratios
 
 ROWS, FEATURES, CLASSES, HIDDEN, BATCH = 24_576, 32, 10, 128, 128
 WORKERS = 3
@@ -97,6 +99,7 @@ EXTRA: list[tuple[str, str, dict[str, Any]]] = [
     ("average K=1", "average", {"average_every": 1}),
     ("average K=16", "average", {"average_every": 16}),
 ]
+QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144, "only": ["average K=4", "async lr/(1+τ)"]}
 
 
 def student(kind: str = "mlp") -> torch.nn.Module:
@@ -109,9 +112,9 @@ def student(kind: str = "mlp") -> torch.nn.Module:
                                torch.nn.Linear(HIDDEN, CLASSES))
 
 
-def make_data(directory: Path, client: Client) -> dt.Dataset:
+def make_data(directory: Path, client: Client, rows: int = ROWS) -> dt.Dataset:
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((ROWS, FEATURES), dtype=np.float32)
+    x = rng.standard_normal((rows, FEATURES), dtype=np.float32)
     w1 = rng.standard_normal((FEATURES, 64)) * 2 / np.sqrt(FEATURES)
     w2 = rng.standard_normal((64, CLASSES)) / np.sqrt(64)
     y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
@@ -295,10 +298,13 @@ def _fmt(value: float, spec: str) -> str:
     return "—" if value is None or np.isnan(value) else format(value, spec)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
+                                                       argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=ROWS,
+                        help=f"rows of the training set (default {ROWS:,})")
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--slow-rank", type=int, default=WORKERS - 1)
     parser.add_argument("--slowdown", type=float, default=3.0,
@@ -311,7 +317,40 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None,
                         help="labels of the configurations to run (default: all but the "
                         "extra ones)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds, not minutes: sync, average K=4 and async lr/(1+τ), 2 "
+                             "epochs of 6,144 rows, once (rough figures)")
+    parser.add_argument("--ratios-json", metavar="PATH",
+                        help="also write the summary rows of `dasktrain bench` there")
+    args = parser.parse_args(argv)
+    if args.quick:  # the quick settings become the defaults; options given still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    return parser, args
+
+
+def ratios(table: dict[tuple[str, bool], dict[str, Any]],
+           configs: list[tuple[str, str, dict[str, Any]]], slowdown: float) -> list[Ratio]:
+    """The summary rows: what the straggler costs ``sync``, then each other mode's time to
+    the target with the straggler against ``sync``'s (W3 sets no goal: it reports)."""
+    sync, calm = table[("sync", True)], table[("sync", False)]
+    rows = [Ratio(workload=f"W3 sync, one worker {slowdown:g}x slower: fit wall time (s)",
+                  ours=f"{sync['wall_s']:.2f}", baseline=f"{calm['wall_s']:.2f} (no straggler)",
+                  ratio=ratio_of(sync["wall_s"], calm["wall_s"]))]
+    for label, _, _ in configs:
+        if label == "sync":
+            continue
+        mine = table[(label, True)]
+        rows.append(Ratio(
+            workload=f"W3 {label}, one worker {slowdown:g}x slower: time to target (s)",
+            ours=_fmt(mine["to_target_s"], ".2f") + mine["reached"],
+            baseline=f"{_fmt(sync['to_target_s'], '.2f')} (sync)",
+            ratio=ratio_of(mine["to_target_s"], sync["to_target_s"])))
+    return rows
+
+
+def main() -> None:
+    parser, args = parse_args()
     if not 0 <= args.slow_rank < WORKERS:
         parser.error(f"--slow-rank must be in [0, {WORKERS})")
     torch.set_num_threads(1)
@@ -328,7 +367,7 @@ def main() -> None:
             LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
                          dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        data = make_data(Path(tmp), client)
+        data = make_data(Path(tmp), client, args.rows)
         t0 = time.perf_counter()
         warm, _, _ = fit(client, data, "sync", {}, args.lr, 1, StragglerLoss(), args.model)
         step_s = step_time(warm)
@@ -361,7 +400,7 @@ def main() -> None:
 
     print(f"\nTarget: smoothed training loss <= {target:.4f} ({args.target_factor:g} x the "
           f"{sync_end:.4f} sync ends with, no straggler). {WORKERS} workers, batch {BATCH} "
-          f"each, {args.epochs} epochs of {ROWS} rows, {args.model}, SGD lr {args.lr:g} "
+          f"each, {args.epochs} epochs of {args.rows} rows, {args.model}, SGD lr {args.lr:g} "
           f"momentum {MOMENTUM:g}; straggler: rank {args.slow_rank}, {args.slowdown:g}x "
           "slower.\n")
     print("| mode | straggler | time to target (s) | updates (k samples) to target | final loss "
@@ -389,6 +428,8 @@ def main() -> None:
               f"of each epoch's gradients came from rank {args.slow_rank} (1/{WORKERS} if all "
               "ran at the same speed; the fast workers have finished their shards by then).")
     print("\n" + reading(table, configs))
+    if args.ratios_json:
+        write_ratios(args.ratios_json, ratios(table, configs, args.slowdown))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Measured side by side in the same run:
 * and the holder alone: the same two workers pushing a fixed gradient without computing
   one, which is the exchange's own ceiling.
 
-Run: ``.venv/bin/python benchmarks/updates.py`` (``--seconds 5 --repeats 3``).
+Run: ``.venv/bin/python benchmarks/updates.py`` (``--seconds 5 --repeats 3``; ``--quick``:
+0.5 s, once). ``dasktrain bench`` runs it among the others.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
+from dasktrain.bench import Ratio, ratio_of, write_ratios
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 
 WORKERS = 2
 BATCH = 32
+# The holder's own ceiling to reach: updates per second from two workers (README).
+GOAL_EXCHANGE = "≥ 3,000/s"
+QUICK = {"seconds": 0.5, "repeats": 1}
 
 
 def model() -> torch.nn.Module:
@@ -112,11 +117,34 @@ def one_process_steps_per_second(seconds: float) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds, not minutes: 0.5 s, once (rough figures)")
+    parser.add_argument("--ratios-json", metavar="PATH",
+                        help="also write the summary rows of `dasktrain bench` there")
+    args = parser.parse_args(argv)
+    if args.quick:  # the quick settings become the defaults; options given still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    return args
+
+
+def ratios(parameters: int, ours: float, bare: float, single: float) -> list[Ratio]:
+    """The summary rows: updates per second against one plain process's steps."""
+    baseline = f"{single:,.0f} (one process)"
+    return [Ratio(workload=f"holder updates/s, {parameters:,}-parameter MLP, async, "
+                           f"{WORKERS} workers", ours=f"{ours:,.0f}", baseline=baseline,
+                  ratio=ratio_of(ours, single)),
+            Ratio(workload="holder updates/s, exchange only (a fixed gradient)",
+                  ours=f"{bare:,.0f}", baseline=baseline, ratio=ratio_of(bare, single),
+                  goal=GOAL_EXCHANGE)]
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     parameters = sum(p.numel() for p in model().parameters())
     ours, bare, single = [], [], []
@@ -124,7 +152,8 @@ def main() -> None:
     with LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
                       host="127.0.0.1", dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        holder_updates_per_second(client, 1.0, True)  # warm-up: imports, first connections
+        # Warm-up: imports, first connections.
+        holder_updates_per_second(client, min(1.0, args.seconds), True)
         for _ in range(args.repeats):
             rate, placement = holder_updates_per_second(client, args.seconds, True)
             ours.append(rate)
@@ -138,6 +167,8 @@ def main() -> None:
     print(f"| one process, forward/backward + Adam step | {c:,.0f} |")
     print(f"\nratio async / one process: {a / c:.2f}x; medians of {args.repeats} runs of "
           f"{args.seconds:g} s (torch {torch.__version__})")
+    if args.ratios_json:
+        write_ratios(args.ratios_json, ratios(parameters, a, b, c))
 
 
 if __name__ == "__main__":

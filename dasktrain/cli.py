@@ -98,6 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_cluster(check)
     _add_storage(check)
     _add_train(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -192,6 +193,39 @@ def _train(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"prepare": _prepare, "info": _info, "verify": _verify, "train": _train}
+
+
+# -- bench: the repository's benchmarks, one table of ratios (dasktrain.bench) -------------
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from dasktrain.bench import BENCHMARKS
+
+    bench = commands.add_parser(
+        "bench", help="run the benchmarks and print one table of ratios to their baselines",
+        description="Run the benchmarks of a source checkout (benchmarks/*.py), each in its "
+                    "own process with its own LocalCluster on 127.0.0.1, and print one table: "
+                    "workload, dasktrain's figure, the baseline's, their ratio, the goal. The "
+                    "benchmarks' own reports go to stderr.")
+    bench.add_argument("--quick", action="store_true",
+                       help="run each for seconds: checks that they work, figures are rough")
+    bench.add_argument("--only", nargs="+", choices=BENCHMARKS, metavar="NAME",
+                       help=f"run only these, among {', '.join(BENCHMARKS)}")
+    bench.add_argument("--benchmarks", metavar="DIR",
+                       help="directory of the benchmark scripts (default: benchmarks/ of the "
+                            "source checkout the package is installed from)")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dasktrain.bench import BENCHMARKS, format_table, run_benchmarks
+
+    result = run_benchmarks(args.only or BENCHMARKS, quick=args.quick,
+                            directory=args.benchmarks)
+    print(format_table(result.rows))
+    for name, why in result.failed.items():
+        print(f"dasktrain bench: {name} failed: {why} (its report is above)", file=sys.stderr)
+    return 1 if result.failed else 0
+
+
+_COMMANDS["bench"] = _bench
 
 
 class _QuietAfterInterrupt(logging.Filter):

@@ -1,0 +1,99 @@
+"""`dasktrain bench`: the real command runs the benchmark scripts and prints one table."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections import defaultdict
+
+import pytest
+
+from dasktrain.bench import BENCHMARKS
+from tests.common.builders import run_cli
+
+HEADER = ["benchmark", "workload", "dasktrain", "baseline", "ratio", "goal"]
+RATIO = re.compile(r"(\d+\.\d\d)x|—")
+
+
+def _table(stdout: str) -> list[list[str]]:
+    """The rows of the one Markdown table that is the whole of stdout."""
+    lines = stdout.strip().splitlines()
+    assert lines and all(line.startswith("|") and line.endswith("|") for line in lines), stdout
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0] == HEADER
+    return cells[2:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)  # four benchmarks, each starting its own processes
+def test_bench_quick_prints_a_table_of_ratios_with_rows_of_every_benchmark():
+    result = run_cli("bench", "--quick", timeout=380)
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = _table(result.stdout)
+    by_benchmark = defaultdict(list)
+    for row in rows:
+        assert len(row) == len(HEADER) and all(row[:4]), row
+        by_benchmark[row[0]].append(row)
+    assert list(by_benchmark) == list(BENCHMARKS)
+    for name, found in by_benchmark.items():
+        ratios = [RATIO.fullmatch(row[4]) for row in found]
+        assert all(ratios), found
+        numbers = [float(m.group(1)) for m in ratios if m.group(1)]
+        assert numbers and all(n > 0 for n in numbers), (name, found)
+    goals = {row[1]: row[5] for row in rows}
+    assert goals["W2 exchange, 1 MB, sync, 2 workers (ms/step)"] == "≤ 0.8x"
+    assert goals["W1 data stall, C = 5 ms/batch, first epoch"] == "≤ 2 % stall"
+    # Each benchmark's own report went to stderr, whole.
+    for name in BENCHMARKS:
+        assert f"== {name}: " in result.stderr
+    assert "| C ms/batch | loader |" in result.stderr and "Reading:" in result.stderr
+
+
+def _script(body: str) -> str:
+    return textwrap.dedent("""\
+        import argparse, json, sys
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--ratios-json")
+        parser.add_argument("--quick", action="store_true")
+        args = parser.parse_args()
+        print("report of", sys.argv[0], "quick" if args.quick else "full")
+        """) + textwrap.dedent(body)
+
+
+def test_a_failing_benchmark_is_named_and_the_others_still_make_the_table(tmp_path):
+    (tmp_path / "pipeline.py").write_text(_script("""\
+        from dasktrain.bench import Ratio, write_ratios
+        write_ratios(args.ratios_json, [Ratio(workload="w", ours="1.0", baseline="2.0 (b)",
+                                              ratio=0.5, goal="≤ 1x")])
+        """))
+    (tmp_path / "holder.py").write_text(_script("sys.exit(3)\n"))
+    (tmp_path / "updates.py").write_text(_script("pass  # writes no ratios\n"))
+    (tmp_path / "stragglers.py").write_text(_script("""\
+        row = {"workload": "never reached", "ours": "—", "baseline": "1.00 (sync)",
+               "ratio": None, "goal": "—"}
+        open(args.ratios_json, "w").write(json.dumps([row]))
+        """))
+    result = run_cli("bench", "--quick", "--benchmarks", str(tmp_path), timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert _table(result.stdout) == [
+        ["pipeline", "w", "1.0", "2.0 (b)", "0.50x", "≤ 1x"],
+        ["stragglers", "never reached", "—", "1.00 (sync)", "—", "—"],
+    ]
+    assert "report of" in result.stderr and "quick" in result.stderr
+    assert "dasktrain bench: holder failed: exit status 3" in result.stderr
+    assert "dasktrain bench: updates failed: it wrote no ratios" in result.stderr
+
+    (tmp_path / "updates.py").write_text(_script("""\
+        open(args.ratios_json, "w").write('{"not": "rows"}')
+        """))
+    result = run_cli("bench", "--only", "updates", "--benchmarks", str(tmp_path), timeout=60)
+    assert result.returncode == 1
+    assert "updates failed: its ratios are unreadable: not a list of rows" in result.stderr
+
+
+def test_bench_without_the_scripts_is_one_line_and_exit_2(tmp_path):
+    result = run_cli("bench", "--benchmarks", str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "no benchmark scripts pipeline.py, holder.py" in result.stderr
+    assert "Traceback" not in result.stderr
