@@ -13,6 +13,7 @@ in one run (medians of ``--repeats`` runs of ``--steps`` steps each, after warm-
 
 Run: ``.venv/bin/python benchmarks/holder.py`` (``--sizes 1 10 100 --steps 20 --repeats 3``;
 ``--quick``: 1 MB, 5 steps, once). ``dasktrain bench`` runs it among the others.
+``benchmarks/scaling.py`` (W5) runs the same exchange and baseline for N workers.
 """
 
 from __future__ import annotations
@@ -81,30 +82,34 @@ def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> d
     return {"median_s": statistics.median(times), "where": via}
 
 
-def dasktrain_step(client: Client, size: int, steps: int, warmup: int, direct: bool = True
-                   ) -> tuple[float, str]:
+def dasktrain_step(client: Client, size: int, steps: int, warmup: int, direct: bool = True,
+                   workers: int = WORKERS) -> tuple[float, str]:
+    """Median seconds per ``sync`` step of ``workers`` trainer tasks exchanging ``size``
+    float32 parameters through a holder on the cluster's first worker (trainer ``w`` on
+    worker ``w`` modulo their number), and how each reached the holder."""
     addresses = sorted(worker_info(client))
     config = HolderConfig(model=functools.partial(_model, size), optimizer=dt.optim.sgd(LR),
-                          workers=WORKERS, mode="sync", direct_channel=direct)
+                          workers=workers, mode="sync", direct_channel=direct)
     holder_future = client.submit(ParameterHolder, config, actor=True, workers=[addresses[0]],
                                   pure=False)
     holder = holder_future.result()
     holder.begin_epoch(0).result()
     futures = [client.submit(_exchange_task, holder, w, size, steps, warmup, pure=False,
                              workers=[addresses[w % len(addresses)]])
-               for w in range(WORKERS)]
+               for w in range(workers)]
     results = client.gather(futures)
     holder.close().result()
     holder_future.release()
-    # A step is over when the slower of the two workers has its parameters back.
+    # A step is over when the slowest worker has its parameters back.
     placement = "+".join(r["where"] for r in results)
     return max(r["median_s"] for r in results), placement
 
 
-def _gloo_process(rank: int, port: int, size: int, steps: int, warmup: int, out) -> None:
+def _gloo_process(rank: int, port: int, size: int, steps: int, warmup: int, workers: int,
+                  out) -> None:
     torch.set_num_threads(1)
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                  world_size=WORKERS)
+                                  world_size=workers)
     param = torch.zeros(size)
     grad = torch.rand(size)
     buffer = torch.empty(size)
@@ -113,7 +118,7 @@ def _gloo_process(rank: int, port: int, size: int, steps: int, warmup: int, out)
         buffer.copy_(grad)  # all_reduce works in place: keep the gradient for the next step
         t0 = time.perf_counter()
         torch_dist.all_reduce(buffer)
-        buffer.div_(WORKERS)
+        buffer.div_(workers)
         param.add_(buffer, alpha=-LR)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
@@ -121,14 +126,17 @@ def _gloo_process(rank: int, port: int, size: int, steps: int, warmup: int, out)
     out.put((rank, statistics.median(times)))
 
 
-def gloo_step(size: int, steps: int, warmup: int) -> float:
+def gloo_step(size: int, steps: int, warmup: int, workers: int = WORKERS) -> float:
+    """Median seconds per step of gloo ``all_reduce`` + average + SGD of ``size`` float32
+    across ``workers`` processes on 127.0.0.1 (the slowest rank's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_process, args=(r, port, size, steps, warmup, out))
-             for r in range(WORKERS)]
+    procs = [ctx.Process(target=_gloo_process,
+                         args=(r, port, size, steps, warmup, workers, out))
+             for r in range(workers)]
     for p in procs:
         p.start()
     results = [out.get(timeout=600) for _ in procs]

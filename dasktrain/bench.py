@@ -28,7 +28,8 @@ __all__ = ["BENCHMARKS", "BenchResult", "Ratio", "benchmarks_directory", "format
            "ratio_of", "run_benchmarks", "write_ratios"]
 
 #: The benchmarks of the summary, in the order they run (the shortest first).
-BENCHMARKS: tuple[str, ...] = ("pipeline", "holder", "updates", "stragglers")
+BENCHMARKS: tuple[str, ...] = ("pipeline", "holder", "updates", "scaling", "stragglers",
+                               "e2e")
 
 #: Seconds one benchmark may run before it is interrupted (its full run takes minutes).
 TIMEOUT_S = {True: 600.0, False: 3600.0}

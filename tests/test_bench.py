@@ -25,9 +25,9 @@ def _table(stdout: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)  # four benchmarks, each starting its own processes
+@pytest.mark.timeout(600)  # six benchmarks, each starting its own processes
 def test_bench_quick_prints_a_table_of_ratios_with_rows_of_every_benchmark():
-    result = run_cli("bench", "--quick", timeout=380)
+    result = run_cli("bench", "--quick", timeout=570)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = _table(result.stdout)
     by_benchmark = defaultdict(list)
@@ -43,6 +43,8 @@ def test_bench_quick_prints_a_table_of_ratios_with_rows_of_every_benchmark():
     goals = {row[1]: row[5] for row in rows}
     assert goals["W2 exchange, 1 MB, sync, 2 workers (ms/step)"] == "≤ 0.8x"
     assert goals["W1 data stall, C = 5 ms/batch, first epoch"] == "≤ 2 % stall"
+    assert goals["W5 scaling, 1 MB, sync, 3 workers (ms/step)"] == "≤ 1x"
+    assert goals["W4 whole run, MLP 0.54 M parameters, sync, 2 workers (samples/s)"] == "≥ 1.1x"
     # Each benchmark's own report went to stderr, whole.
     for name in BENCHMARKS:
         assert f"== {name}: " in result.stderr
@@ -73,6 +75,10 @@ def test_a_failing_benchmark_is_named_and_the_others_still_make_the_table(tmp_pa
                "ratio": None, "goal": "—"}
         open(args.ratios_json, "w").write(json.dumps([row]))
         """))
+    for name in ("scaling", "e2e"):  # rows of none
+        (tmp_path / f"{name}.py").write_text(_script("""\
+            open(args.ratios_json, "w").write("[]")
+            """))
     result = run_cli("bench", "--quick", "--benchmarks", str(tmp_path), timeout=120)
     assert result.returncode == 1, result.stderr
     assert _table(result.stdout) == [

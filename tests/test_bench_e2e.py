@@ -1,0 +1,81 @@
+"""The W4 (whole runs against DDP) and W5 (scaling with workers) benchmark scripts, run for
+real with ``--quick`` in a subprocess, as ``dasktrain bench`` and a reader of the README do."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+RATIO = re.compile(r"\d+\.\d\dx")
+
+
+def _run_quick(script: str, tmp_path: Path) -> tuple[str, list[dict]]:
+    """Run ``benchmarks/<script> --quick``: its stdout and the rows it wrote."""
+    out = tmp_path / "ratios.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--ratios-json", str(out)],
+        cwd=BENCHMARKS.parent, capture_output=True, text=True, timeout=150,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-5000:]
+    return result.stdout, json.loads(out.read_text(encoding="utf-8"))
+
+
+def _table_rows(stdout: str, header_start: str) -> list[list[str]]:
+    """The body of the Markdown table whose header begins with ``header_start``."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    body = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        body.append([c.strip() for c in line.strip("|").split("|")])
+    return body
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_e2e_quick_measures_both_sides_and_both_train_the_same_model(tmp_path):
+    stdout, rows = _run_quick("e2e.py", tmp_path)
+    table = _table_rows(stdout, "| model |")
+    assert len(table) == 1, stdout
+    model, ours, ddp, ratio, goal = table[0]
+    assert model.startswith("32→512→512→512→1 (0.54 M parameters")
+    assert int(ours.replace(",", "")) > 0 and int(ddp.replace(",", "")) > 0
+    assert RATIO.fullmatch(ratio) and goal == "≥ 1.1x"
+    # One epoch of each trains the model, and to about the same loss.
+    losses = re.search(r"dasktrain (\d+\.\d+), DDP (\d+\.\d+) \(initial (\d+\.\d+)\)", stdout)
+    assert losses, stdout
+    ours_loss, ddp_loss, initial = (float(v) for v in losses.groups())
+    assert ours_loss < initial and ddp_loss < initial
+    assert abs(ours_loss - ddp_loss) < 0.2 * (initial - min(ours_loss, ddp_loss))
+    assert [row["workload"] for row in rows] == [
+        "W4 whole run, MLP 0.54 M parameters, sync, 2 workers (samples/s)"]
+    row = rows[0]
+    assert row["goal"] == "≥ 1.1x" and row["ours"] == ours
+    assert row["baseline"] == f"{ddp} (DDP over gloo, data in memory)"
+    assert row["ratio"] == pytest.approx(int(ours.replace(",", "")) /
+                                         int(ddp.replace(",", "")), rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_scaling_quick_measures_every_number_of_workers_against_gloo(tmp_path):
+    stdout, rows = _run_quick("scaling.py", tmp_path)
+    table = _table_rows(stdout, "| workers (1 MB) |")
+    assert [r[0] for r in table] == ["2", "3"], stdout
+    for _, ours, gloo, ratio in table:
+        assert float(ours) > 0 and float(gloo) > 0 and RATIO.fullmatch(ratio)
+    assert "3: local x1, direct x2" in stdout  # one worker in the holder's process
+    assert [row["workload"] for row in rows] == [
+        f"W5 scaling, 1 MB, sync, {n} workers (ms/step)" for n in (2, 3)]
+    for row, (n, ours, gloo, _) in zip(rows, table, strict=True):
+        assert row["goal"] == "≤ 1x" and row["ours"] == ours
+        assert row["baseline"] == f"{gloo} (gloo all_reduce + SGD, {n} processes)"
+        assert row["ratio"] > 0
