@@ -51,8 +51,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The pipeline, holder, update-throughput and straggler benchmarks, then one table of their
-# ratios (their own reports on stderr); preparation throughput has its own table.
+# The pipeline, holder, update-throughput, scaling, straggler and end-to-end benchmarks, then
+# one table of their ratios (their own reports on stderr); preparation has its own table.
 bench: setup
 	$(VENV)/bin/dasktrain bench
 	$(PY) benchmarks/prepare.py
