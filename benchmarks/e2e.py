@@ -50,7 +50,7 @@ from distributed import Client, LocalCluster
 from torch.nn.parallel import DistributedDataParallel
 
 import dasktrain as dt
-from dasktrain.bench import Ratio, ratio_of, write_ratios
+from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 FEATURES, WORKERS, BATCH, LR = 32, 2, 256, 0.01
 PROBE_ROWS = 4096
@@ -183,15 +183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3,
                         help="epochs per run, the first one a warm-up (default 3)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds, not minutes: the small model, 20,000 rows, 2 epochs, "
+    args = parse_with_quick(parser, argv, QUICK,
+                            "seconds, not minutes: the small model, 20,000 rows, 2 epochs, "
                              "once (rough figures)")
-    parser.add_argument("--ratios-json", metavar="PATH",
-                        help="also write the summary rows of `dasktrain bench` there")
-    args = parser.parse_args(argv)
-    if args.quick:  # the quick settings become the defaults; options given still win
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
     if args.epochs < 2:
         parser.error(f"--epochs must be at least 2 (the first is a warm-up), got {args.epochs}")
     if args.rows < BATCH * WORKERS:

@@ -35,7 +35,7 @@ from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-from dasktrain.bench import Ratio, ratio_of, write_ratios
+from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
@@ -152,14 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds, not minutes: 1 MB, 5 steps, once (rough figures)")
-    parser.add_argument("--ratios-json", metavar="PATH",
-                        help="also write the summary rows of `dasktrain bench` there")
-    args = parser.parse_args(argv)
-    if args.quick:  # the quick settings become the defaults; options given still win
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_with_quick(parser, argv, QUICK,
+                            "seconds, not minutes: 1 MB, 5 steps, once (rough figures)")
     return args
 
 

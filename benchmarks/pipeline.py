@@ -37,7 +37,7 @@ import zarr
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
-from dasktrain.bench import Ratio, ratio_of, write_ratios
+from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 ROWS, WIDTH, CHUNK, BATCH, STEP_S = 200_192, 32, 8_192, 256, 0.020
 _MAT = np.random.default_rng(0).standard_normal((48, 48))
@@ -194,14 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefetch", type=int, default=12)
     parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                         help="fetch batches straight from the workers, not via the scheduler")
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds, not minutes: C = 5 on 16,384 rows, once (rough figures)")
-    parser.add_argument("--ratios-json", metavar="PATH",
-                        help="also write the summary rows of `dasktrain bench` there")
-    args = parser.parse_args(argv)
-    if args.quick:  # the quick settings become the defaults; options given still win
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_with_quick(parser, argv, QUICK,
+                            "seconds, not minutes: C = 5 on 16,384 rows, once (rough figures)")
     return args
 
 

@@ -37,7 +37,7 @@ from distributed import Client, LocalCluster
 # benchmarks/holder.py, is on sys.path).
 from holder import dasktrain_step, gloo_step
 
-from dasktrain.bench import Ratio, ratio_of, write_ratios
+from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 # shared/benchmarks.md, W5: the step time to reach, as a ratio to gloo's, at every N.
 GOAL = "≤ 1x"
@@ -53,14 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds, not minutes: 2 and 3 workers, 1 MB, 5 steps, once")
-    parser.add_argument("--ratios-json", metavar="PATH",
-                        help="also write the summary rows of `dasktrain bench` there")
-    args = parser.parse_args(argv)
-    if args.quick:  # the quick settings become the defaults; options given still win
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_with_quick(parser, argv, QUICK,
+                            "seconds, not minutes: 2 and 3 workers, 1 MB, 5 steps, once")
     if min(args.workers) < 1:
         parser.error(f"--workers must be positive, got {args.workers}")
     return args

@@ -64,7 +64,7 @@ import torch
 from distributed import Client, LocalCluster, get_worker
 
 import dasktrain as dt
-from dasktrain.bench import Ratio, ratio_of, write_ratios
+from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 ROWS, FEATURES, CLASSES, HIDDEN, BATCH = 24_576, 32, 10, 128, 128
 WORKERS = 3
@@ -317,15 +317,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
     parser.add_argument("--only", nargs="*", default=None,
                         help="labels of the configurations to run (default: all but the "
                         "extra ones)")
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds, not minutes: sync, average K=4 and async lr/(1+τ), 2 "
-                             "epochs of 6,144 rows, once (rough figures)")
-    parser.add_argument("--ratios-json", metavar="PATH",
-                        help="also write the summary rows of `dasktrain bench` there")
-    args = parser.parse_args(argv)
-    if args.quick:  # the quick settings become the defaults; options given still win
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_with_quick(parser, argv, QUICK,
+                            "seconds, not minutes: sync, average K=4 and async lr/(1+τ), 2 "
+                            "epochs of 6,144 rows, once (rough figures)")
     return parser, args
 
 

@@ -11,6 +11,7 @@ writes its rows of the summary there (:func:`write_ratios`); its own report goes
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["BENCHMARKS", "BenchResult", "Ratio", "benchmarks_directory", "format_table",
            "ratio_of", "run_benchmarks", "write_ratios"]
@@ -59,6 +60,21 @@ class BenchResult:
 
     rows: list[Ratio]
     failed: dict[str, str]
+
+
+def parse_with_quick(parser: argparse.ArgumentParser, argv: list[str] | None,
+                     quick: dict[str, Any], quick_help: str) -> argparse.Namespace:
+    """Give a benchmark script ``--quick`` (``quick`` becomes its defaults; options given
+    still win) and ``--ratios-json PATH`` (its rows for :func:`run_benchmarks`), and parse
+    ``argv``."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--ratios-json", metavar="PATH",
+                        help="also write the summary rows of `dasktrain bench` there")
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**quick)
+        args = parser.parse_args(argv)
+    return args
 
 
 def ratio_of(ours: float, baseline: float) -> float | None:
