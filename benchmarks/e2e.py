@@ -185,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     args = parse_with_quick(parser, argv, QUICK,
                             "seconds, not minutes: the small model, 20,000 rows, 2 epochs, "
-                             "once (rough figures)")
+                            "once (rough figures)")
     if args.epochs < 2:
         parser.error(f"--epochs must be at least 2 (the first is a warm-up), got {args.epochs}")
     if args.rows < BATCH * WORKERS:
