@@ -10,16 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.common.builders import run_cli, write_npy_pair, write_table
-
-
-def _assert_user_error(result, *fragments: str) -> None:
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+from tests.common.builders import assert_user_error, run_cli, write_npy_pair, write_table
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +56,7 @@ def sources(tmp_path_factory):
 def test_bad_input_is_one_line_and_exit_2(sources, tmp_path, args, fragments):
     out = tmp_path / "out.zarr"
     argv = [a.format(d=sources, out=out) for a in args]
-    _assert_user_error(run_cli(*argv), *fragments)
+    assert_user_error(run_cli(*argv), *fragments)
     assert not out.exists()
     leftovers = [p.name for p in tmp_path.iterdir()]
     assert leftovers == [], leftovers
@@ -76,8 +67,8 @@ def test_existing_output_needs_overwrite_and_is_kept(tmp_path):
     first = run_cli("prepare", "parabola", str(out), "--no-progress")
     assert first.returncode == 0, first.stderr
     before = (out / "zarr.json").read_bytes()
-    _assert_user_error(run_cli("prepare", "parabola", str(out), "--samples", "10"),
-                       "already exists", "--overwrite")
+    assert_user_error(run_cli("prepare", "parabola", str(out), "--samples", "10"),
+                      "already exists", "--overwrite")
     assert (out / "zarr.json").read_bytes() == before
     again = run_cli("prepare", "parabola", str(out), "--samples", "10", "--overwrite",
                     "--no-progress")
@@ -91,8 +82,8 @@ def test_overwrite_refuses_a_directory_that_is_not_a_dataset(tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "thesis.tex").write_text("years of work")
-    _assert_user_error(run_cli("prepare", "parabola", str(precious), "--overwrite"),
-                       "not a dasktrain dataset")
+    assert_user_error(run_cli("prepare", "parabola", str(precious), "--overwrite"),
+                      "not a dasktrain dataset")
     assert (precious / "thesis.tex").read_text() == "years of work"
 
 

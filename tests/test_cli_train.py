@@ -21,7 +21,7 @@ from dasktrain.cli import main
 from dasktrain.run_dir import RunDirectory
 from dasktrain.train_config import load_train_config
 from dasktrain.train_keys import config_keys
-from tests.common.builders import REPO, run_cli
+from tests.common.builders import REPO, assert_user_error, run_cli
 
 EXAMPLES = REPO / "examples"
 
@@ -65,14 +65,6 @@ def _factory(directory: Path):
     """The model factory the configs name, as a program using the model would build it."""
     return functools.partial(load_function("models.py:mlp", directory), hidden=32)
 
-
-def _assert_user_error(result, *fragments: str) -> None:
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def _metrics(run: Path) -> tuple[list[dict], list[dict]]:
@@ -178,7 +170,7 @@ def test_a_diverged_run_says_so_in_one_line(client, digits, tmp_path, capsys):
 ])
 def test_bad_config_from_the_shell(client, digits, tmp_path, sections, fragments):
     path = _write(tmp_path, _config(digits, **sections))
-    _assert_user_error(_train(client, path), *fragments)
+    assert_user_error(_train(client, path), *fragments)
     assert not (tmp_path / "runs").exists()
 
 

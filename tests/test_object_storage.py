@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import fsspec
@@ -26,7 +25,7 @@ import dasktrain as dt
 from dasktrain.datasets.remote import BUILD_PREFIX
 from dasktrain.trainer.checkpoint import load_checkpoint
 from dasktrain.trainer.update_log import UpdateLog
-from tests.common.builders import run_cli
+from tests.common.builders import run_cli, wait_for
 from tests.common.training import mlp, mse
 
 moto_server = pytest.importorskip("moto.server")
@@ -83,13 +82,6 @@ def s3_default(s3, monkeypatch):
     return s3
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
 
 def _idle(client) -> bool:
     return not any(client.processing().values())
@@ -142,7 +134,7 @@ def test_a_failed_rebuild_keeps_the_dataset_and_removes_its_build(client, s3, tm
     with pytest.raises(ValueError, match="mmap length is greater than file size"):
         dt.prepare(bad, url, client=client, storage_options=s3.options, progress=False,
                    overwrite=True, chunk_rows=10_000)
-    _wait_for(lambda: _idle(client), 30, "the failed build's tasks to end")
+    wait_for(lambda: _idle(client), 30, "the failed build's tasks to end")
     assert s3.names("keep.zarr") == names
     np.testing.assert_array_equal(
         dt.open_dataset(url, storage_options=s3.options).x.compute(), before)
@@ -193,12 +185,12 @@ def test_overwrite_swaps_whole_datasets_under_a_reader(client, s3):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        _wait_for(lambda: seen.get(old.identity, 0) > 0, 30, "the reader to see the old data")
+        wait_for(lambda: seen.get(old.identity, 0) > 0, 30, "the reader to see the old data")
         new = dt.prepare("regression", url, client=client, storage_options=s3.options,
                          samples=500, width=1, chunk_rows=50, overwrite=True,
                          progress=False)
         expected[new.identity] = new.x.compute()
-        _wait_for(lambda: seen.get(new.identity, 0) > 0, 30, "the reader to see the new data")
+        wait_for(lambda: seen.get(new.identity, 0) > 0, 30, "the reader to see the new data")
     finally:
         stop.set()
         reader.join(timeout=30)
@@ -225,7 +217,7 @@ def test_a_killed_prepare_leaves_nothing_to_open_and_a_rerun_succeeds(client, s3
         return s3.chunk_objects("killed.zarr") >= 3 or proc.poll() is not None
 
     try:
-        _wait_for(started, 120, "the first chunks to be written")
+        wait_for(started, 120, "the first chunks to be written")
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
@@ -233,7 +225,7 @@ def test_a_killed_prepare_leaves_nothing_to_open_and_a_rerun_succeeds(client, s3
         if proc.poll() is None:
             proc.kill()
     assert opened == []
-    _wait_for(lambda: _idle(client), 60, "the killed client's tasks to end")
+    wait_for(lambda: _idle(client), 60, "the killed client's tasks to end")
     with pytest.raises(dt.DatasetError, match="nothing there"):
         dt.open_dataset(url, storage_options=s3.options)
     leftovers = s3.names("killed.zarr")

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,15 +15,7 @@ from distributed import Client, LocalCluster
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    """Wait for a condition with a deadline (the tests' only way of waiting)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+from tests.common.builders import wait_for
 
 
 def _chunk_files(directory: Path) -> int:
@@ -41,8 +32,8 @@ def test_ctrl_c_leaves_nothing_at_out(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        _wait_for(lambda: _chunk_files(tmp_path) >= 2 or proc.poll() is not None, 120,
-                  "the first chunks to be written")
+        wait_for(lambda: _chunk_files(tmp_path) >= 2 or proc.poll() is not None, 120,
+                 "the first chunks to be written")
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
@@ -86,8 +77,8 @@ def test_killed_worker_during_prepare_still_gives_a_complete_dataset(tmp_path):
 
         worker = threading.Thread(target=run)
         worker.start()
-        _wait_for(lambda: _chunk_files(tmp_path) >= 3 or not worker.is_alive(), 120,
-                  "the first chunks to be written")
+        wait_for(lambda: _chunk_files(tmp_path) >= 3 or not worker.is_alive(), 120,
+                 "the first chunks to be written")
         victim = next(iter(worker_info(client)))
         pid = client.run(os.getpid, workers=[victim])[victim]
         os.kill(pid, signal.SIGKILL)  # the nanny restarts it; its tasks are rescheduled

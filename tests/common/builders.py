@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,3 +47,22 @@ def run_cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedP
     command = [str(script)] if script.exists() else [sys.executable, "-m", "dasktrain.cli"]
     return subprocess.run([*command, *args], capture_output=True,
                           text=True, timeout=timeout, env=env, **kwargs)
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """A CLI user error: exit 2, one line on stderr holding every fragment, no traceback."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Wait for a condition with a deadline (the tests' only way of waiting)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
