@@ -94,6 +94,7 @@ _DOCS: dict[str, dict[str, str]] = {
         "timeout": "seconds any single wait may take",
         "barrier_timeout": "seconds a sync step waits for a silent worker",
         "direct_channel": "push over a direct TCP connection to the holder",
+        "bucket_bytes": "least bytes of a gradient bucket sent during backward",
         "on_nonfinite": "raise | skip: a non-finite loss or gradient",
         "nonfinite_patience": "refused rounds in a row that stop a run under skip",
         "torch_threads": "torch threads per worker process (0: torch's default)",

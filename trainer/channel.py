@@ -28,9 +28,11 @@ import contextlib
 import hmac
 import logging
 import math
+import queue
 import secrets
 import socket
 import struct
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,7 +41,7 @@ import numpy as np
 
 from dasktrain.trainer.errors import HolderLost, TrainerError
 
-__all__ = ["ChannelClient", "ChannelServer", "channel_host"]
+__all__ = ["ChannelClient", "ChannelServer", "OutgoingPush", "channel_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ _LOST_GRACE = 1.0  # seconds the scheduler has to report a dead holder after a d
 # Keep-alive probes (seconds idle, seconds apart, count): a peer that vanished without a
 # reset is noticed in about two minutes instead of the system's two hours.
 _KEEPALIVE = (60, 10, 6)
+
+Order = tuple[tuple[int, int], ...]  # (start, stop) slices of a payload, as they travel
 
 # Takes a push, returns the reply under a lease (``.array``, ``.version``, ``.release()``).
 PushFunction = Callable[..., Awaitable[Any]]
@@ -120,17 +124,22 @@ class ChannelServer:
         The holder's push, awaited for each push received.
     size
         Values (float32) of the model.
+    order
+        The ``(start, stop)`` slices of a payload in the order they travel (see
+        :mod:`.buckets`); default: in one piece.
     idle_timeout
         Seconds a worker's connection may send nothing, between pushes or in the middle of
         one, before it is ended (the worker connects again before its next push).
     """
 
     def __init__(self, push: PushFunction, size: int,
-                 idle_timeout: float = _IDLE_TIMEOUT) -> None:
+                 idle_timeout: float = _IDLE_TIMEOUT, order: Order | None = None) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle_timeout must be positive, got {idle_timeout!r}")
         self._push = push
         self._size = size
+        self.order: Order = ((0, size),) if order is None else tuple(order)
+        _check_order(self.order, size)
         self.idle_timeout = idle_timeout
         self._secret = secrets.token_bytes(_SECRET_BYTES)
         self._listener: socket.socket | None = None
@@ -162,7 +171,8 @@ class ChannelServer:
         if self.address is None:
             return None
         return {"host": self.address[0], "port": self.address[1],
-                "token": self._token(worker), "idle_timeout": self.idle_timeout}
+                "token": self._token(worker), "idle_timeout": self.idle_timeout,
+                "order": self.order}
 
     def _token(self, worker: int) -> bytes:
         # Derived rather than stored: nothing kept per worker, any number checked on arrival.
@@ -240,7 +250,8 @@ class ChannelServer:
                     continue
                 grads = None
                 if nbytes >= 0:
-                    await _recv_into(loop, sock, view, idle)
+                    for start, stop in self.order:
+                        await _recv_into(loop, sock, view[start * 4:stop * 4], idle)
                     grads = payload
                 try:
                     lease = await self._push(worker, version, grads, count, loss,
@@ -293,6 +304,18 @@ class ChannelServer:
             _shut(sock)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=_CONNECT_TIMEOUT)
+
+
+def _check_order(order: Order, size: int) -> None:
+    """An order must cover every value of a payload exactly once."""
+    ends = [0]
+    for start, stop in sorted(order):
+        if start != ends[-1] or stop <= start:
+            break
+        ends.append(stop)
+    if ends[-1] != size or len(ends) != len(order) + 1:
+        raise ValueError(f"a payload order must tile [0, {size}) with (start, stop) slices, "
+                         f"got {order!r}")
 
 
 def _shut(sock: socket.socket) -> None:
@@ -389,6 +412,11 @@ class ChannelClient:
             raise ValueError(f"the receive buffer must be {size} contiguous float32 values")
         self._header = bytearray(_REPLY.size)
         self._pending = False
+        self.order: Order = tuple((int(a), int(b)) for a, b in contact.get("order",
+                                                                          ((0, size),)))
+        _check_order(self.order, size)
+        self.order_size = size
+        self._outbox: queue.SimpleQueue | None = None  # the sender thread's, once started
 
     def push(self, version: int, grads: np.ndarray | None, count: int, loss: float,
              position: tuple[int, int]) -> PendingPush:
@@ -402,6 +430,41 @@ class ChannelClient:
                              f"{getattr(grads, 'shape', '?')}")
         data = None if grads is None else np.ascontiguousarray(grads)
         nbytes = -1 if data is None else data.nbytes
+        wait = self._start(version, count, loss, position, nbytes)
+        if data is not None:
+            view = memoryview(data).cast("B")
+            # A payload of another size goes whole: the holder drains it and says why.
+            pieces = self.order if data.size == self.order_size else ((0, data.size),)
+            for start, stop in pieces:
+                self._send(view[start * 4:stop * 4], wait)
+        self._pending = True
+        return PendingPush(self)
+
+    def begin(self, version: int, count: int, loss: float, position: tuple[int, int],
+              payload: np.ndarray) -> OutgoingPush:
+        """Start a push whose ``payload`` is still being written: its buckets (the slices of
+        :attr:`order`) are sent, in order, as the caller marks them ready with
+        :meth:`OutgoingPush.ready`, by a thread of this channel; :meth:`OutgoingPush.finish`
+        sends the rest and returns the reply's :class:`PendingPush`. The caller must not
+        write to a bucket after marking it ready."""
+        if self._pending:
+            raise TrainerError("a push is already waiting for its reply on this channel")
+        size = self.order_size
+        if payload.dtype != np.float32 or payload.shape != (size,) or \
+                not payload.flags.c_contiguous:
+            raise ValueError(f"a streamed push carries the whole payload: {size} contiguous "
+                             "float32 values")
+        wait = self._start(version, count, loss, position, payload.nbytes)
+        if self._outbox is None:
+            self._outbox = queue.SimpleQueue()
+            threading.Thread(target=self._sender, args=(self._outbox,), daemon=True,
+                             name="dasktrain-push-sender").start()
+        self._pending = True  # until finish, nothing else may use the socket
+        return OutgoingPush(self, memoryview(payload).cast("B"), wait, self._outbox)
+
+    def _start(self, version: int, count: int, loss: float, position: tuple[int, int],
+               nbytes: int) -> _Wait:
+        """Reconnect if the holder may have ended an idle connection; send the header."""
         if time.monotonic() - self._last_push > self._stale_after:
             self.close()
             try:
@@ -411,10 +474,23 @@ class ChannelClient:
         self._last_push = time.monotonic()
         wait = _Wait(self.timeout, "the holder to take a push")
         self._send(_PUSH.pack(version, count, loss, position[0], position[1], nbytes), wait)
-        if data is not None:
-            self._send(memoryview(data).cast("B"), wait)
-        self._pending = True
-        return PendingPush(self)
+        return wait
+
+    def _sender(self, outbox: queue.SimpleQueue) -> None:
+        """Sends queued buckets; a push's first failure is kept for its :meth:`finish`, and
+        its remaining buckets are skipped. Ends when the channel closes."""
+        while True:
+            item = outbox.get()
+            if item is None:
+                return
+            push, view = item
+            if view is None:  # the push's end: all before it is sent (or failed)
+                push.sent.set()
+            elif push.error is None:
+                try:
+                    self._send(view, push.wait)
+                except BaseException as exc:  # handed to the caller, in its thread
+                    push.error = exc
 
     def receive(self, timeout: float, what: str) -> tuple[np.ndarray, int]:
         """The reply to the pending push: the parameters (valid until the next push)."""
@@ -513,6 +589,57 @@ class ChannelClient:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.close()
+
+    def stop(self) -> None:
+        """Close the connection and end the sender thread."""
+        self.close()
+        if self._outbox is not None:
+            self._outbox.put(None)
+            self._outbox = None
+
+
+class OutgoingPush:
+    """A push being sent bucket by bucket (see :meth:`ChannelClient.begin`)."""
+
+    def __init__(self, channel: ChannelClient, view: memoryview, wait: _Wait,
+                 outbox: queue.SimpleQueue) -> None:
+        self.wait = wait
+        self.error: BaseException | None = None
+        self.sent = threading.Event()
+        self._channel = channel
+        self._view = view
+        self._outbox = outbox
+        self._ready = [False] * len(channel.order)
+        self._next = 0  # the first bucket not yet queued: buckets leave in order
+        self._lock = threading.Lock()
+
+    def ready(self, bucket: int) -> None:
+        """Bucket ``bucket`` of the channel's order is final: send it when its turn comes
+        (callable from any thread, in any order)."""
+        order = self._channel.order
+        with self._lock:
+            self._ready[bucket] = True
+            while self._next < len(order) and self._ready[self._next]:
+                start, stop = order[self._next]
+                self._outbox.put((self, self._view[start * 4:stop * 4]))
+                self._next += 1
+
+    def finish(self) -> PendingPush:
+        """Send whatever is not sent yet; once all is on its way, the reply's
+        :class:`PendingPush`. A failed send fails here as a plain push would."""
+        for bucket in range(len(self._ready)):
+            self.ready(bucket)
+        self._outbox.put((self, None))
+        # The sends themselves keep the deadline and check that the holder lives.
+        if not self.sent.wait(self.wait.seconds + _CONNECT_TIMEOUT):
+            self.error = self.error or TrainerError(
+                f"no answer from the parameter holder for {self.wait.what} after "
+                f"{self.wait.seconds:.0f}s")
+        if self.error is not None:
+            self._channel._pending = False
+            self._channel.close()
+            raise self.error
+        return PendingPush(self._channel)
 
 
 class PendingPush:

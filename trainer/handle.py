@@ -5,6 +5,7 @@ and a liveness check."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -14,7 +15,7 @@ from distributed import Client, get_client, get_worker
 
 from dasktrain._cluster import worker_info
 from dasktrain.trainer.arithmetic import Lease
-from dasktrain.trainer.channel import ChannelClient, PendingPush
+from dasktrain.trainer.channel import ChannelClient, OutgoingPush, PendingPush
 from dasktrain.trainer.errors import HolderLost, TrainerError
 from dasktrain.trainer.flat import FlatLayout
 
@@ -71,6 +72,11 @@ class HolderHandle:
         whose replies are received into ``into`` when given."""
         info = self.request("join", worker, address, layout, what=f"worker {worker} to join")
         self._into = into
+        if self._client is None:
+            # Resolved here, in the task's thread: the channel's sender thread checks the
+            # holder's liveness too, and a worker's client is found from task threads only.
+            with contextlib.suppress(ValueError):
+                self._client = get_client()
         contact = info.get("channel")
         if contact is not None and self._local is None:
             self.close()
@@ -96,10 +102,24 @@ class HolderHandle:
             return self.call("exchange", worker, version, payload, count, loss, position)
         return self.call("push", worker, version, payload, count, loss, position)
 
+    def begin_push(self, version: int, count: int, loss: float, position: tuple[int, int],
+                   payload: np.ndarray) -> OutgoingPush | None:
+        """Start a push sent bucket by bucket while ``payload`` is still being written (see
+        :meth:`ChannelClient.begin`); None where pushes do not go over the direct channel."""
+        if self._channel is None:
+            return None
+        return self._channel.begin(version, count, loss, position, payload)
+
+    @property
+    def order(self) -> tuple[tuple[int, int], ...] | None:
+        """The order in which the direct channel sends a payload's buckets (None: no
+        channel)."""
+        return None if self._channel is None else self._channel.order
+
     def close(self) -> None:
         """Close the direct channel, if any."""
         if self._channel is not None:
-            self._channel.close()
+            self._channel.stop()
             self._channel = None
 
     def call(self, method: str, *args: Any) -> Any:

@@ -24,6 +24,7 @@ import torch
 from distributed import get_worker
 
 from dasktrain.trainer.arithmetic import Arithmetic, Lease, as_tensor
+from dasktrain.trainer.buckets import BUCKET_BYTES, bucket_order
 from dasktrain.trainer.channel import ChannelServer, channel_host
 from dasktrain.trainer.divergence import NonFiniteGuard, all_finite, check_policy
 from dasktrain.trainer.errors import TrainerError, TrainingDiverged
@@ -68,6 +69,9 @@ class HolderConfig:
     direct_channel: bool = True
     """Pushes from workers in other processes go over a direct TCP connection to the
     holder (see :mod:`dasktrain.trainer.channel`); False keeps them on the actor's calls."""
+    bucket_bytes: int = BUCKET_BYTES
+    """Least bytes of a bucket of the direct channel's payload order (see
+    :mod:`dasktrain.trainer.buckets`)."""
     on_nonfinite: str = "raise"
     """A non-finite gradient or loss stops the run (``"raise"``) or is refused and skipped
     (``"skip"``); see :mod:`dasktrain.trainer.divergence`."""
@@ -279,7 +283,9 @@ class ParameterHolder:
             host = channel_host(self._worker.address)
             if host is None:
                 return None
-            channel = ChannelServer(self.exchange, self._payload_size)
+            channel = ChannelServer(self.exchange, self._payload_size,
+                                    order=bucket_order(self.layout, self._payload_size,
+                                                      self.config.bucket_bytes))
             try:
                 await channel.start(host)
             except OSError as exc:

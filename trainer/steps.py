@@ -42,6 +42,11 @@ class StepContext:
 class WorkerStep:
     """Per batch: decide what to push (or nothing yet), and take the reply."""
 
+    streams: bool = False
+    """True if :meth:`after_backward` of a batch always pushes the model's gradient payload
+    with the batch's size and loss, as it is: the worker may then send it during backward,
+    bucket by bucket (see :mod:`.buckets`), instead of asking."""
+
     def __init__(self, flat: FlatModel, context: StepContext) -> None:
         self.flat = flat
         self.context = context
@@ -68,6 +73,8 @@ class WorkerStep:
 
 class GradientStep(WorkerStep):
     """Push every batch's gradient; continue from the parameters sent back."""
+
+    streams = True
 
     def after_backward(self, step: int, count: int, loss: float, last: bool) -> Push | None:
         del step, last

@@ -21,6 +21,7 @@ from distributed import Client
 from dasktrain._cluster import cluster_client
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline import EpochPlan, Pipeline
+from dasktrain.trainer.buckets import BUCKET_BYTES
 from dasktrain.trainer.callbacks import Callback, as_callbacks
 from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
 from dasktrain.trainer.compute import (
@@ -174,6 +175,11 @@ class Trainer:
         over a direct TCP connection to the holder's worker (on ``tcp://`` clusters; a
         worker that cannot connect falls back by itself). False: every exchange goes
         through the holder actor's Dask calls, several milliseconds slower per step.
+    bucket_bytes
+        On the direct channel a gradient leaves in buckets of whole tensors of at least
+        this many bytes, each as soon as backward has computed it (last layers first), so
+        the transfer overlaps the rest of backward (as DDP's ``bucket_cap_mb``). Default
+        1 MiB; a size over the model's puts the whole gradient in one bucket.
     on_nonfinite
         ``"raise"`` (default): a non-finite loss or gradient stops the run with
         :class:`~dasktrain.TrainingDiverged`. ``"skip"``: the gradient is refused (counted in
@@ -234,6 +240,7 @@ class Trainer:
         timeout: float = 300.0,
         barrier_timeout: float = 120.0,
         direct_channel: bool = True,
+        bucket_bytes: int = BUCKET_BYTES,
         on_nonfinite: str = "raise",
         nonfinite_patience: int = 10,
         checkpoint_every: int | None = None,
@@ -262,6 +269,8 @@ class Trainer:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         if timeout <= 0 or barrier_timeout <= 0:
             raise ValueError("timeout and barrier_timeout must be positive")
         check_policy(on_nonfinite, nonfinite_patience)
@@ -283,6 +292,7 @@ class Trainer:
         self.timeout = timeout
         self.barrier_timeout = barrier_timeout
         self.direct_channel = direct_channel
+        self.bucket_bytes = bucket_bytes
         self.on_nonfinite = on_nonfinite
         self.nonfinite_patience = nonfinite_patience
         self.checkpoint_every = checkpoint_every
@@ -393,7 +403,8 @@ class Trainer:
             model=self._factory, optimizer=self.optimizer, workers=self.workers,
             mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
             barrier_timeout=self.barrier_timeout, torch_threads=self.torch_threads,
-            direct_channel=self.direct_channel, on_nonfinite=self.on_nonfinite,
+            direct_channel=self.direct_channel, bucket_bytes=self.bucket_bytes,
+            on_nonfinite=self.on_nonfinite,
             nonfinite_patience=self.nonfinite_patience, clip_grad_norm=self.clip_grad_norm,
             clip_grad_value=self.clip_grad_value)
         worker_config = WorkerConfig(
@@ -551,7 +562,9 @@ class Trainer:
             "per_worker": [
                 {"worker": int(r["worker"]), "samples": int(r["samples"]),
                  "stall": float(r["stall"]),
-                 "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0}
+                 "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
+                 # Pushes sent bucket by bucket during backward (direct channel only).
+                 "pushes_in_buckets": int(r.get("pushes_in_buckets", 0))}
                 for r in sorted(reports, key=lambda r: r["worker"])],
         }
 

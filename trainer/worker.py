@@ -21,6 +21,7 @@ from distributed import get_client, get_worker, secede
 
 from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
+from dasktrain.trainer.buckets import GradientReadiness
 from dasktrain.trainer.compute import BatchCompute, LossScale, MetricTotals, batch_size_of
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
@@ -117,9 +118,10 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
     pipe.load_state_dict(state)
     batches = iter(pipe)
     compute = wait = 0.0
-    samples = 0
+    samples = in_buckets = 0
     totals = MetricTotals()
     scale = LossScale(config.compute.precision == "fp16")
+    readiness = _readiness(strategy, handle, flat, scale)
 
     def take(step: int) -> Any:
         return next(batches) if step < mine else None
@@ -128,26 +130,41 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
     for step in range(start, steps):
         t0 = time.perf_counter()
         count, loss_value = 0, 0.0
+        outgoing = None
         if batch is not None:
             flat.zero_grad()
             loss, values, pair = config.compute(flat.model, batch, device)
             if step == start and pair is not None and pair[1] is not None:
                 _tell(handle, worker, [shape_notice(*pair)])
-            scale.scaled(loss).backward()
             count, loss_value = batch_size_of(batch), float(loss.detach())
+            if readiness is not None:
+                outgoing = handle.begin_push(version, count, loss_value, (epoch, step + 1),
+                                             flat.payload())
+                readiness.arm(outgoing.ready)
+            try:
+                scale.scaled(loss).backward()
+            finally:
+                if readiness is not None:
+                    readiness.disarm()
             if scale.unscale(flat.grads):
                 samples += count
                 totals.add({"loss": loss_value, **values}, count)
             else:  # float16 overflow: this batch is skipped (the scale is lowered)
                 count = 0
-        push = strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
-        t1 = time.perf_counter()
-        compute += t1 - t0
-        if push is None:  # a local step: nothing to exchange yet
-            batch = take(step + 1) if step + 1 < steps else None
-            continue
-        future = handle.push(worker, version, push.payload, push.count, push.loss,
-                             (epoch, step + 1))
+        if outgoing is not None:  # on its way since backward began: send the rest
+            t1 = time.perf_counter()
+            compute += t1 - t0
+            future = outgoing.finish()
+            in_buckets += 1
+        else:
+            push = strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
+            t1 = time.perf_counter()
+            compute += t1 - t0
+            if push is None:  # a local step: nothing to exchange yet
+                batch = take(step + 1) if step + 1 < steps else None
+                continue
+            future = handle.push(worker, version, push.payload, push.count, push.loss,
+                                 (epoch, step + 1))
         batch = take(step + 1) if step + 1 < steps else None  # overlaps the exchange
         params, version = handle.wait(future, f"worker {worker}'s update at step {step}")
         strategy.load(params)
@@ -162,7 +179,20 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
             "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
-            "exchange_via": handle.via}
+            "exchange_via": handle.via, "pushes_in_buckets": in_buckets}
+
+
+def _readiness(strategy: WorkerStep, handle: HolderHandle, flat: FlatModel,
+               scale: LossScale) -> GradientReadiness | None:
+    """Hooks that send a gradient bucket by bucket during backward, where that is exact:
+    the mode pushes plain gradients, over the direct channel, from CPU memory (on CUDA the
+    gradients still need a copy to the host after backward), without a loss scale (a scaled
+    gradient may yet be found to overflow and be skipped)."""
+    order = handle.order
+    if not strategy.streams or order is None or flat.device.type != "cpu" or scale.enabled:
+        return None
+    params = [p for _, p in flat.model.named_parameters() if p.requires_grad]
+    return GradientReadiness(params, flat.layout, order)
 
 
 def _tell(handle: HolderHandle, worker: int, notices: list) -> None:
