@@ -1,5 +1,7 @@
 """Killing processes under the trainer: a dead trainer worker never stalls the holder, a dead
-holder fails the fit fast and a mid-epoch checkpoint resumes to the same parameters."""
+holder fails the fit fast and a mid-epoch checkpoint resumes to the same parameters. The
+gradients travel one tensor per bucket (``bucket_bytes=1``), so the processes die while
+pushes are streaming during backward."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, 
     loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=20,
                              holder=holder, on_holder=False)
     trainer = dt.Trainer(mlp, loss, dt.optim.sgd(0.05), mode="sync", workers=2,
-                         batch_size=8, holder_worker=holder, progress=False)
+                         batch_size=8, holder_worker=holder, bucket_bytes=1, progress=False)
     started = time.monotonic()
     history = trainer.fit(data, epochs=2, client=cluster_client)
     assert (tmp_path / "killed").exists()  # the process really died mid-epoch
@@ -57,6 +59,7 @@ def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, 
     assert (1 in history.contributors) == dropped
     assert history.contributors.count(2) >= 100
     assert torch.isfinite(flat_parameters(trainer.model)).all()
+    assert history.epochs[1]["per_worker"][1]["pushes_in_buckets"] > 0  # streamed
 
 
 def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_client, data,
@@ -66,7 +69,7 @@ def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_cli
     def trainer(loss, holder_worker=holder):
         return dt.Trainer(mlp, loss, dt.optim.sgd(0.05, momentum=0.9), mode="sync",
                           workers=2, batch_size=8, holder_worker=holder_worker,
-                          checkpoint_every=10, progress=False)
+                          checkpoint_every=10, bucket_bytes=1, progress=False)
 
     straight = trainer(mse)
     straight.fit(data, epochs=2, client=cluster_client)
