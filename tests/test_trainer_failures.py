@@ -59,7 +59,8 @@ def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, 
     assert (1 in history.contributors) == dropped
     assert history.contributors.count(2) >= 100
     assert torch.isfinite(flat_parameters(trainer.model)).all()
-    assert history.epochs[1]["per_worker"][1]["pushes_in_buckets"] > 0  # streamed
+    # Pushes streamed in buckets (from whichever worker ran outside the holder's process).
+    assert any(w["pushes_in_buckets"] for e in history.epochs for w in e["per_worker"])
 
 
 def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_client, data,
