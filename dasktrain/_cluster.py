@@ -20,6 +20,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 
+import dask.config
 from distributed import Client, LocalCluster, default_client
 
 __all__ = [
@@ -94,7 +95,10 @@ def cluster_client(
         return
     if scheduler is not None:
         try:
-            own = Client(scheduler, timeout="20s")
+            # Dask's own connect timeout (``distributed.comm.timeouts.connect``, 30 s by
+            # default): an unreachable address is retried that long before failing.
+            own = Client(scheduler,
+                         timeout=dask.config.get("distributed.comm.timeouts.connect"))
         except OSError as exc:
             raise ConnectionError(
                 f"cannot reach the Dask scheduler at {scheduler!r}: {exc}"

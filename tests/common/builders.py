@@ -42,7 +42,10 @@ def write_table(path: Path, rows: int = 500, seed: int = 0) -> pd.DataFrame:
 
 def run_cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
     """Run the real ``dasktrain`` command in a subprocess."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Every scheduler a test names is on 127.0.0.1: one that cannot be reached in 5 s never
+    # will be (the CLI would otherwise retry for Dask's default 30 s).
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "5s"}
     script = Path(sys.executable).parent / "dasktrain"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "dasktrain.cli"]
     return subprocess.run([*command, *args], capture_output=True,
