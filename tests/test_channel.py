@@ -289,9 +289,9 @@ async def _echo(worker: int, version: int, grads: np.ndarray | None, count: int,
 
 
 @contextlib.contextmanager
-def _server(idle_timeout: float = 600.0) -> Iterator[ChannelServer]:
-    """A :class:`ChannelServer` of :data:`SIZE` values on its own thread's event loop."""
-    server = ChannelServer(_echo, SIZE, idle_timeout=idle_timeout)
+def _server(idle_timeout: float = 600.0, size: int = SIZE) -> Iterator[ChannelServer]:
+    """A :class:`ChannelServer` of ``size`` values on its own thread's event loop."""
+    server = ChannelServer(_echo, size, idle_timeout=idle_timeout)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -315,16 +315,40 @@ def _hello(server: ChannelServer, worker: int = 0) -> socket.socket:
 
 
 IDLE = 0.5
+# Payloads this large move on the server's own threads rather than through its event loop.
+BULK = channel_module._BULK_BYTES // 4 + 1
 
 
-@pytest.mark.parametrize("sent", ["nothing", "half a header", "half a payload"])
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_a_large_payload_goes_both_ways_over_either_transport(transport):
+    with _server(size=BULK) as server:
+        contact = server.contact(0)
+        assert contact["local"] is not None  # this is Linux: a local socket is offered
+        if transport == "tcp":  # as a worker on another host sees it: local fails
+            contact["local"] = "\0dasktrain-channel-elsewhere"
+        channel = ChannelClient(contact, 0, BULK, 10, lambda: True)
+        try:
+            assert channel.transport == transport
+            rng = np.random.default_rng(0)
+            for step in range(3):
+                payload = rng.standard_normal(BULK).astype(np.float32)
+                params, version = channel.push(step, payload, 1, 0.0, (0, 1)).result()
+                assert version == step + 1 and np.array_equal(params, payload)
+        finally:
+            channel.close()
+
+
+@pytest.mark.parametrize("sent", ["nothing", "half a header", "half a payload",
+                                  "half a large payload"])
 def test_a_connection_gone_silent_is_closed_after_the_idle_deadline(sent):
-    with _server(idle_timeout=IDLE) as server:
+    size = BULK if sent == "half a large payload" else SIZE
+    with _server(idle_timeout=IDLE, size=size) as server:
         sock = _hello(server)
         try:
-            header = _PUSH.pack(0, 1, 0.0, 0, 1, SIZE * 4)
+            header = _PUSH.pack(0, 1, 0.0, 0, 1, size * 4)
             data = {"nothing": b"", "half a header": header[: _PUSH.size // 2],
-                    "half a payload": header + bytes(SIZE * 2)}[sent]
+                    "half a payload": header + bytes(SIZE * 2),
+                    "half a large payload": header + bytes(size * 2)}[sent]
             sock.sendall(data)
             started = time.monotonic()
             assert not _until_closed([sock], 10 * IDLE), f"still open after {10 * IDLE}s"

@@ -8,9 +8,16 @@ that is reused step after step. Everything else (joining, progress, checkpoints)
 the actor.
 
 The holder listens on its worker's own host (the interface Dask already uses) on a port
-chosen by the system; a connection is accepted only after it presents its worker's token,
-which each worker receives through the actor. Clusters whose comm is not plain TCP (TLS,
-UCX) keep every call on the actor, and so does a worker that cannot reach the port.
+chosen by the system and, on Linux, on a local socket of a random abstract name: a worker on
+the same host (every GPU of a machine, a LocalCluster) connects there, and moves bytes two
+to three times faster than through TCP on the loopback interface; elsewhere that connect
+fails at once and TCP serves. A connection is accepted only after it presents its worker's
+token, which each worker receives through the actor. Clusters whose comm is not plain TCP
+(TLS, UCX) keep every call on the actor, and so does a worker that cannot reach the port.
+
+Payloads travel in the order of :mod:`.buckets` (so a gradient can leave during backward).
+The holder moves large payloads on threads of its own, with the socket blocking, rather than
+a socket-buffer's worth per turn of its event loop.
 
 The port is open to anyone who can reach the host, so the holder's worker process defends
 itself: it keeps at most ``_MAX_UNAUTHENTICATED`` connections waiting for their token (more
@@ -24,6 +31,7 @@ long connects afresh before its next push.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -32,6 +40,7 @@ import queue
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +63,8 @@ _REPLY = struct.Struct("<qqq")
 _OK, _VALUE_ERROR, _TRAINER_ERROR = 0, 1, 2
 _ACCEPTED = b"\x01"
 _DRAIN = 1 << 20  # bytes read at a time from a payload that is refused
+_BULK_BYTES = 1 << 20  # payloads from this size move on a thread (see ChannelServer._bulk)
+_MOVERS = 8  # threads moving payloads: connections served at once at full speed
 _SECRET_BYTES = 32
 _CONNECT_TIMEOUT = 10.0
 _HELLO_TIMEOUT = 3.0  # seconds a new connection has to present its token, in all
@@ -75,7 +86,26 @@ Order = tuple[tuple[int, int], ...]  # (start, stop) slices of a payload, as the
 PushFunction = Callable[..., Awaitable[Any]]
 
 
+def _local_listener() -> socket.socket | None:
+    """A listening socket in Linux's abstract namespace (no file to clean up, gone with the
+    process), or None where there is none. Its random name is only learnt through the
+    actor, and a connection to it still has to present a worker's token."""
+    if not sys.platform.startswith("linux"):
+        return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(f"\0dasktrain-channel-{secrets.token_hex(16)}")
+        listener.listen(64)
+        listener.setblocking(False)
+    except OSError:
+        listener.close()
+        return None
+    return listener
+
+
 def _tune(sock: socket.socket) -> None:
+    if sock.family == socket.AF_UNIX:  # same host: no delay to turn off, no peer to vanish
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), _KEEPALIVE,
@@ -142,8 +172,10 @@ class ChannelServer:
         _check_order(self.order, size)
         self.idle_timeout = idle_timeout
         self._secret = secrets.token_bytes(_SECRET_BYTES)
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task | None = None
+        # (listener, its accept task): TCP, and a local socket where the system has them.
+        self._listening: list[tuple[socket.socket, asyncio.Task]] = []
+        self.local_name: str | None = None
+        self._movers: concurrent.futures.ThreadPoolExecutor | None = None  # see _bulk
         self._tasks: set[asyncio.Task] = set()
         self._sockets: set[socket.socket] = set()
         self._by_worker: dict[int, socket.socket] = {}
@@ -152,6 +184,8 @@ class ChannelServer:
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str) -> None:
+        """Listen on ``host`` (TCP, a port the system chooses) and, on Linux, on a local
+        socket of a random abstract name, which workers on the same host reach faster."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -161,9 +195,13 @@ class ChannelServer:
         except OSError:
             listener.close()
             raise
-        self._listener = listener
+        loop = asyncio.get_running_loop()
+        self._listening.append((listener, loop.create_task(self._accept(listener))))
         self.address = (host, listener.getsockname()[1])
-        self._accepting = asyncio.get_running_loop().create_task(self._accept(listener))
+        local = _local_listener()
+        if local is not None:
+            self._listening.append((local, loop.create_task(self._accept(local))))
+            self.local_name = local.getsockname()
 
     def contact(self, worker: int) -> dict[str, Any] | None:
         """What ``worker`` needs to connect (sent through the actor): its token admits it
@@ -171,8 +209,8 @@ class ChannelServer:
         if self.address is None:
             return None
         return {"host": self.address[0], "port": self.address[1],
-                "token": self._token(worker), "idle_timeout": self.idle_timeout,
-                "order": self.order}
+                "local": self.local_name, "token": self._token(worker),
+                "idle_timeout": self.idle_timeout, "order": self.order}
 
     def _token(self, worker: int) -> bytes:
         # Derived rather than stored: nothing kept per worker, any number checked on arrival.
@@ -250,8 +288,8 @@ class ChannelServer:
                     continue
                 grads = None
                 if nbytes >= 0:
-                    for start, stop in self.order:
-                        await _recv_into(loop, sock, view[start * 4:stop * 4], idle)
+                    await self._bulk(loop, _recv_slices, sock,
+                                     [view[a * 4:b * 4] for a, b in self.order], idle)
                     grads = payload
                 try:
                     lease = await self._push(worker, version, grads, count, loss,
@@ -265,8 +303,8 @@ class ChannelServer:
                 out = None
                 try:
                     out = memoryview(lease.array).cast("B")
-                    await _send(loop, sock, idle, _REPLY.pack(_OK, lease.version, out.nbytes),
-                                out)
+                    await _send(loop, sock, idle, _REPLY.pack(_OK, lease.version, out.nbytes))
+                    await self._bulk(loop, _send_slices, sock, [out], idle)
                 finally:
                     # Sent (or failed): the holder may write to that buffer again.
                     del out
@@ -283,15 +321,40 @@ class ChannelServer:
             self._sockets.discard(sock)
             sock.close()
 
+    async def _bulk(self, loop: asyncio.AbstractEventLoop,
+                    move: Callable[[socket.socket, list[memoryview], float], None],
+                    sock: socket.socket, views: list[memoryview], idle: float) -> None:
+        """Move a payload's bytes. Large ones go on a thread of the channel's own, with the
+        socket blocking: a tight loop of system calls moves them at the speed of the
+        transport, where each step through the event loop would cost a wake-up per
+        socket-buffer's worth (hundreds per payload). Meanwhile the loop does not watch
+        this socket, and :meth:`close` ends a transfer by shutting it."""
+        if sum(v.nbytes for v in views) < _BULK_BYTES:
+            for view in views:
+                if move is _recv_slices:
+                    await _recv_into(loop, sock, view, idle)
+                else:
+                    await loop.sock_sendall(sock, view)
+            return
+        if self._movers is None:
+            self._movers = concurrent.futures.ThreadPoolExecutor(
+                _MOVERS, thread_name_prefix="dasktrain-channel")
+        try:
+            await loop.run_in_executor(self._movers, move, sock, views, idle)
+        finally:
+            with contextlib.suppress(OSError):  # closed meanwhile: the caller sees why
+                sock.setblocking(False)
+
     async def stop_accepting(self) -> None:
         """Take no more connections (those open are still served)."""
         # The accept must be cancelled, and its reader unregistered, before the socket
         # closes: the loop's selector must never watch a closed (or reused) descriptor.
-        if self._accepting is not None:
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
+        listening, self._listening = self._listening, []
+        for _, task in listening:
+            task.cancel()
+        await asyncio.gather(*(task for _, task in listening), return_exceptions=True)
+        for listener, _ in listening:
+            listener.close()
 
     async def close(self) -> None:
         """Stop listening and drop every connection."""
@@ -304,6 +367,8 @@ class ChannelServer:
             _shut(sock)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=_CONNECT_TIMEOUT)
+        if self._movers is not None:
+            self._movers.shutdown(wait=False)
 
 
 def _check_order(order: Order, size: int) -> None:
@@ -316,6 +381,27 @@ def _check_order(order: Order, size: int) -> None:
     if ends[-1] != size or len(ends) != len(order) + 1:
         raise ValueError(f"a payload order must tile [0, {size}) with (start, stop) slices, "
                          f"got {order!r}")
+
+
+def _recv_slices(sock: socket.socket, views: list[memoryview], idle: float) -> None:
+    """Fill each of ``views`` in turn from a socket made blocking for it; TimeoutError after
+    ``idle`` seconds without a byte."""
+    sock.settimeout(idle)
+    for view in views:
+        got = 0
+        while got < view.nbytes:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError("connection closed")
+            got += n
+
+
+def _send_slices(sock: socket.socket, views: list[memoryview], idle: float) -> None:
+    """Send ``views`` on a socket made blocking for it; TimeoutError after ``idle``
+    seconds without progress."""
+    sock.settimeout(idle)
+    for view in views:
+        sock.sendall(view)
 
 
 def _shut(sock: socket.socket) -> None:
@@ -403,6 +489,8 @@ class ChannelClient:
         # Half the holder's deadline: its clock starts after it replies, later than ours
         # (at the push), and the margin covers a slow new connection.
         self._stale_after = float(contact.get("idle_timeout", math.inf)) / 2
+        self.transport: str | None = None
+        """``"local"`` (a socket on the holder's own host) or ``"tcp"``."""
         self._connect()
         # Where replies land (the worker's model itself, when it lives on the CPU).
         self._params = np.empty(size, dtype=np.float32) if into is None else into
@@ -511,10 +599,26 @@ class ChannelClient:
         self._recv_into(view, wait)
         return self._params, version
 
+    def _open(self) -> socket.socket:
+        """A connection to the holder: its local socket when this worker is on the holder's
+        host (it fails at once elsewhere), else TCP."""
+        local = self._contact.get("local")
+        if local and self.transport != "tcp":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(_CONNECT_TIMEOUT)
+            try:
+                sock.connect(local)
+                self.transport = "local"
+                return sock
+            except OSError:
+                sock.close()  # another host, or another network namespace
+        self.transport = "tcp"
+        return socket.create_connection((self._contact["host"], self._contact["port"]),
+                                        timeout=_CONNECT_TIMEOUT)
+
     def _connect(self) -> None:
         """Open the connection and present the worker's token."""
-        self._sock = socket.create_connection((self._contact["host"], self._contact["port"]),
-                                              timeout=_CONNECT_TIMEOUT)
+        self._sock = self._open()
         self._timeout: float | None = _CONNECT_TIMEOUT  # the socket's, as last set
         try:
             _tune(self._sock)
