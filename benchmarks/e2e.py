@@ -56,6 +56,7 @@ FEATURES, WORKERS, BATCH, LR = 32, 2, 256, 0.01
 PROBE_ROWS = 4096
 # shared/benchmarks.md, W4: samples/s of a steady epoch, as a ratio to DDP's.
 GOAL = "≥ 1.1x"
+WHOLE = 1 << 62  # bucket_bytes larger than any model: one bucket, ready when backward ends
 QUICK = {"hidden": [512], "rows": 20_000, "epochs": 2, "repeats": 1}
 
 
@@ -83,8 +84,8 @@ def _steady(rates: list[float]) -> float:
 
 
 # -- dasktrain ---------------------------------------------------------------------------
-def dasktrain_run(client: Client, data: dt.Dataset, width: int, epochs: int
-                  ) -> tuple[list[float], dict[str, Any], dict[str, torch.Tensor]]:
+def dasktrain_run(client: Client, data: dt.Dataset, width: int, epochs: int,
+                  **options: Any) -> tuple[list[float], dict[str, Any], dict[str, torch.Tensor]]:
     """Fit ``epochs`` epochs in ``sync`` mode: samples/s per epoch, the last epoch's record
     and the parameters after the first epoch."""
     after_first: dict[str, torch.Tensor] = {}
@@ -97,7 +98,7 @@ def dasktrain_run(client: Client, data: dt.Dataset, width: int, epochs: int
 
     trainer = dt.Trainer(functools.partial(mlp, width), torch.nn.functional.mse_loss,
                          dt.optim.sgd(LR), mode="sync", workers=WORKERS, batch_size=BATCH,
-                         progress=False)
+                         progress=False, **options)
     history = trainer.fit(data, epochs=epochs, client=client, callbacks=[keep_first])
     return [e["samples_per_s"] for e in history.epochs], history.epochs[-1], after_first
 
@@ -183,6 +184,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3,
                         help="epochs per run, the first one a warm-up (default 3)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--whole-gradient", action="store_true",
+                        help="also run dasktrain with the gradient sent in one piece after "
+                             "backward (bucket_bytes larger than the model): what the "
+                             "buckets sent during backward gain")
     args = parse_with_quick(parser, argv, QUICK,
                             "seconds, not minutes: the small model, 20,000 rows, 2 epochs, "
                             "once (rough figures)")
@@ -216,6 +221,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     rows, notes, check = [], [], None
+    one_piece: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dasktrain-w4-") as tmp, \
             LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
                          host="127.0.0.1", dashboard_address=None) as cluster, \
@@ -226,11 +232,17 @@ def main() -> None:
         probe_x, probe_y = (a[:PROBE_ROWS] for a in _arrays(path))
         for width in args.hidden:
             label, parameters = _describe(width)
-            ours, theirs = [], []
+            ours, theirs, whole = [], [], []
             last: dict[str, Any] = {}
             for repeat in range(args.repeats):
                 rates, last, ours_first = dasktrain_run(client, data, width, args.epochs)
                 ours.append(_steady(rates))
+                if args.whole_gradient:
+                    whole_rates, *_ = dasktrain_run(client, data, width, args.epochs,
+                                                    bucket_bytes=WHOLE)
+                    whole.append(_steady(whole_rates))
+                    print(f"{label}, repeat {repeat + 1}: gradient in one piece "
+                          f"{', '.join(f'{r:,.0f}' for r in whole_rates)}", flush=True)
                 ddp_rates, ddp_first = ddp_run(path, width, args.epochs)
                 theirs.append(_steady(ddp_rates))
                 print(f"{label}, repeat {repeat + 1}: dasktrain "
@@ -242,6 +254,8 @@ def main() -> None:
                              probe_loss(width, ddp_first, probe_x, probe_y))
             a, b = statistics.median(ours), statistics.median(theirs)
             rows.append((label, parameters, a, b, last))
+            if whole:
+                one_piece.append(statistics.median(whole))
             notes.append(f"{width}: stall {last['stall']:.1%}, exchange "
                          f"{'+'.join(f'{k} x{v}' for k, v in last['exchange_via'].items())}")
     print("\n| model | dasktrain `sync` (samples/s) | DDP, gloo, data in memory (samples/s) "
@@ -249,6 +263,12 @@ def main() -> None:
     print("|---|---:|---:|---:|---|")
     for label, _, a, b, _ in rows:
         print(f"| {label} | {a:,.0f} | {b:,.0f} | {a / b:.2f}x | {GOAL} |")
+    if one_piece:
+        print("\n| model | gradient in buckets during backward (default) | in one piece "
+              "after backward | buckets gain |")
+        print("|---|---:|---:|---:|")
+        for (label, _, a, _, _), c in zip(rows, one_piece, strict=True):
+            print(f"| {label} | {a:,.0f} | {c:,.0f} | {a / c:.2f}x |")
     width, initial, ours_loss, ddp_loss = check
     print(f"\nSame training: MSE on the first {PROBE_ROWS:,} rows after one epoch, hidden "
           f"{width}: dasktrain {ours_loss:.4f}, DDP {ddp_loss:.4f} (initial {initial:.4f}).")
