@@ -1,7 +1,9 @@
 """Build a dataset from a source with Dask: clean, split, normalise, write Zarr atomically.
 
-Small sources (known finite, no split, no normalisation) take one pass: each source chunk is
-written as one output chunk. Otherwise two passes keep memory bounded by a few chunks:
+Without a split or normalisation a build takes one pass: each task reads one chunk's rows of
+the source, computes their exact statistics (which also tell whether every value is finite),
+and compresses and writes them as one output chunk. A source holding NaN or infinities, a
+split or normalisation take two passes, which keep memory bounded by a few chunks:
 
 1. *stage*: each source chunk is cleaned (rows with NaN/inf dropped), its rows are assigned to
    splits and grouped by split, and the chunk is written to an uncompressed scratch Zarr;
@@ -11,13 +13,16 @@ written as one output chunk. Otherwise two passes keep memory bounded by a few c
    split 0 first, then split 1, ...), normalises, compresses and writes, returning statistics
    of the stored values.
 
-One task writes one output chunk, so no two tasks ever write the same chunk.
+One task writes one output chunk, so no two tasks ever write the same chunk. Where the
+source has a :data:`BlockReader` (files, generators), a task reads its own rows: no task per
+source block and no copy of the rows between workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import logging
 import os
@@ -41,8 +46,9 @@ from dasktrain.datasets.errors import DatasetError, SourceError
 from dasktrain.datasets.format import FORMAT_VERSION, chunk_rows_for, row_bytes
 from dasktrain.datasets.remote import StagedPrefix, check_output_url
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
+from dasktrain.datasets.sources.base import BlockReader
 from dasktrain.datasets.splits import SplitPlan
-from dasktrain.datasets.stats import Moments, merge_all, summary_of
+from dasktrain.datasets.stats import Moments, Summary, merge_all, summary_of
 
 __all__ = ["prepare"]
 
@@ -99,14 +105,46 @@ def _still_wanted(arrays: dict[str, zarr.Array]) -> None:
         raise RuntimeError(f"build directory {root} is gone; the preparation was abandoned")
 
 
-def _stage_chunk(scratch: dict[str, zarr.Array], start: int, plan: SplitPlan | None,
-                 fit_split: int, fit_name: str | None, clean: bool, *blocks: np.ndarray
-                 ) -> tuple[np.ndarray, Moments | None]:
+def _rows(names: list[str], reader: BlockReader | None, start: int, stop: int,
+          blocks: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
+    """A chunk's rows of every array: read here, or handed over as the source's blocks."""
+    if reader is not None:
+        return reader(start, stop)
+    return {name: np.asarray(block) for name, block in zip(names, blocks, strict=True)}
+
+
+def _all_finite(summary: Summary) -> bool:
+    # Integer arrays (class counts) cannot hold NaN or infinities.
+    return not isinstance(summary, Moments) or summary.finite
+
+
+def _write_rows(out: dict[str, zarr.Array], start: int, stop: int, reader: BlockReader | None,
+                require_finite: bool, *blocks: np.ndarray) -> dict[str, Summary] | None:
+    """One pass: write rows ``[start, stop)`` of the source as they are, returning their
+    statistics.
+
+    With ``require_finite``, a chunk holding NaN or infinities is not written and None is
+    returned: the caller then falls back to the cleaning (two-pass) build. The statistics
+    are computed first because they tell that for free.
+    """
+    _still_wanted(out)
+    rows = _rows(list(out), reader, start, stop, blocks)
+    summaries = {name: summary_of(block) for name, block in rows.items()}
+    if require_finite and not all(_all_finite(s) for s in summaries.values()):
+        return None
+    for name, block in rows.items():
+        out[name][start:stop] = block
+    return summaries
+
+
+def _stage_chunk(scratch: dict[str, zarr.Array], start: int, stop: int, plan: SplitPlan | None,
+                 fit_split: int, fit_name: str | None, clean: bool, reader: BlockReader | None,
+                 *blocks: np.ndarray) -> tuple[np.ndarray, Moments | None]:
     _still_wanted(scratch)
-    named = dict(zip(scratch, blocks, strict=True))
-    n = len(blocks[0])
+    named = _rows(list(scratch), reader, start, stop, blocks)
+    n = stop - start
     keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
-    ids = plan.assign(start, start + n) if plan is not None else np.zeros(n, dtype=np.int8)
+    ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
     rows = np.flatnonzero(keep)
     rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, source order kept
     for name, block in named.items():
@@ -119,21 +157,11 @@ def _stage_chunk(scratch: dict[str, zarr.Array], start: int, plan: SplitPlan | N
 
 
 def _write_chunk(out: dict[str, zarr.Array], start: int, sources: list[Any],
-                 pieces: list[tuple[int, int]] | None, norm: dict[str, tuple],
-                 require_finite: bool = False) -> dict | None:
-    """Write output rows from ``start``: ``sources`` are scratch arrays read by ``pieces``
-    (row ranges), or the source blocks themselves when ``pieces`` is None.
-
-    With ``require_finite``, a chunk holding NaN or infinities is not written and None is
-    returned: the caller then falls back to the cleaning (two-pass) build.
-    """
+                 pieces: list[tuple[int, int]], norm: dict[str, tuple]) -> dict[str, Summary]:
+    """Second pass: write output rows from ``start``, gathered from the scratch arrays
+    ``sources`` by ``pieces`` (row ranges) and normalised, returning their statistics."""
     _still_wanted(out)
-    if pieces is None:
-        blocks = [np.asarray(source) for source in sources]
-    else:
-        blocks = [np.concatenate([source[a:b] for a, b in pieces]) for source in sources]
-    if require_finite and not _finite_rows(dict(zip(out, blocks, strict=True))).all():
-        return None
+    blocks = [np.concatenate([source[a:b] for a, b in pieces]) for source in sources]
     summaries = {}
     for (name, target), block in zip(out.items(), blocks, strict=True):
         if name in norm:
@@ -172,21 +200,27 @@ def _layout(counts: np.ndarray, starts: list[int], chunk_rows: int) -> list[list
     return [c for c in chunks if c]
 
 
-def _provenance(source: str, src: Source, config: PrepareConfig) -> dict[str, Any]:
-    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-               if f.name != "overwrite"}
+@functools.cache
+def _versions() -> dict[str, str | None]:
+    # Read once per process: looking packages up costs milliseconds per build.
     versions = {}
     for package in ("dasktrain", "dask", "distributed", "zarr", "numpy"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
+    return versions
+
+
+def _provenance(source: str, src: Source, config: PrepareConfig) -> dict[str, Any]:
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if f.name != "overwrite"}
     return {
         "source": os.fspath(source),
         "source_details": src.provenance,
         "options": options,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": versions,
+        "versions": dict(_versions()),
     }
 
 
@@ -198,14 +232,21 @@ def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None)
     return True
 
 
-def _write_direct(client: Client, src: Source, root: zarr.Group, blocks: list, starts: list[int],
-                  chunk_rows: int, config: PrepareConfig, progress: bool) -> list | None:
+def _source_blocks(reader: BlockReader | None, blocks: list, i: int) -> list:
+    """The source's delayed blocks of chunk ``i``, or none where the task reads them itself."""
+    return [] if reader is not None else [b[i] for b in blocks]
+
+
+def _write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockReader | None,
+                  blocks: list, starts: list[int], lengths: list[int], chunk_rows: int,
+                  config: PrepareConfig, progress: bool) -> list | None:
     """One pass: source chunk i becomes output chunk i. A source that may hold NaN/inf is
     checked chunk by chunk; if any chunk does, the arrays are dropped and None returned."""
     out = _create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
-    tasks = [dask.delayed(_write_chunk)(out, start, [b[i] for b in blocks], None, {},
-                                        not src.known_finite)
-             for i, start in enumerate(starts)]
+    tasks = [dask.delayed(_write_rows, pure=False)(
+                 out, start, start + n, reader, not src.known_finite,
+                 *_source_blocks(reader, blocks, i))
+             for i, (start, n) in enumerate(zip(starts, lengths, strict=True))]
     results = gather_with_progress(client, client.compute(tasks), "writing", progress)
     if all(r is not None for r in results):
         return results
@@ -215,7 +256,8 @@ def _write_direct(client: Client, src: Source, root: zarr.Group, blocks: list, s
     return None
 
 
-def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, blocks: list,
+def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
+                  reader: BlockReader | None, blocks: list,
                   starts: list[int], lengths: list[int], chunk_rows: int, scratch_store: StoreLike,
                   plan: SplitPlan | None, config: PrepareConfig, progress: bool
                   ) -> tuple[list, np.ndarray, dict | None]:
@@ -232,9 +274,9 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, bl
     features = [n for n in names if specs[n].role == "features"]
     fit_name = features[0] if config.normalize and features else None
     tasks = [
-        dask.delayed(_stage_chunk)(
-            scratch, start, plan.slice_for(start, start + n) if plan else None,
-            0, fit_name, not src.known_finite, *[blk[i] for blk in blocks])
+        dask.delayed(_stage_chunk, pure=False)(
+            scratch, start, start + n, plan.slice_for(start, start + n) if plan else None,
+            0, fit_name, not src.known_finite, reader, *_source_blocks(reader, blocks, i))
         for i, (start, n) in enumerate(zip(starts, lengths, strict=True))
     ]
     staged = gather_with_progress(client, client.compute(tasks), "staging", progress)
@@ -277,19 +319,21 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_s
     names = list(specs)
     lengths = list(arrays[names[0]].chunks[0])
     starts = list(np.cumsum((0, *lengths[:-1])).tolist())
-    blocks = [arrays[name].to_delayed().ravel() for name in names]
+    reader = src.block_reader()
+    blocks = [] if reader is not None else [arrays[name].to_delayed().ravel() for name in names]
     plan = (SplitPlan.make(config.split, src.num_samples, config.seed) if config.split
             else None)
 
     results = None
     if plan is None and not config.normalize:
-        results = _write_direct(client, src, root, blocks, starts, chunk_rows, config, progress)
+        results = _write_direct(client, src, root, reader, blocks, starts, lengths, chunk_rows,
+                                config, progress)
     normalization, splits = None, {}
     num_samples = src.num_samples
     if results is None:
         results, counts, normalization = _write_staged(
-            client, source, src, root, blocks, starts, lengths, chunk_rows, scratch_store, plan,
-            config, progress)
+            client, source, src, root, reader, blocks, starts, lengths, chunk_rows,
+            scratch_store, plan, config, progress)
         num_samples = int(counts.sum())
         if plan is not None:
             edges = np.cumsum([0, *counts.sum(axis=0).tolist()]).tolist()

@@ -16,6 +16,7 @@ from dask.base import tokenize
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.base import (
     ArraySpec,
+    BlockReader,
     SourceOptions,
     check_numeric,
     register_suffix,
@@ -55,6 +56,17 @@ class _MappedArray:
             order="F" if self.fortran_order else "C",
         )
         return np.array(mapped[key])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _MappedRows:
+    """Rows of every mapped array of a source, cast to their stored dtypes."""
+
+    arrays: dict[str, tuple[_MappedArray, np.dtype]]
+
+    def __call__(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        return {name: m[start:stop].astype(dtype, copy=False)
+                for name, (m, dtype) in self.arrays.items()}
 
 
 def _read_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -201,6 +213,9 @@ class NumpySource:
             ).astype(self.specs[name].dtype)
             for name, m in self._mapped.items()
         }
+
+    def block_reader(self) -> BlockReader:
+        return _MappedRows({name: (m, self.specs[name].dtype) for name, m in self._mapped.items()})
 
 
 @register_suffix(".npy", ".npz")
