@@ -118,8 +118,8 @@ def _all_finite(summary: Summary) -> bool:
     return not isinstance(summary, Moments) or summary.finite
 
 
-def _write_rows(out: dict[str, zarr.Array], start: int, stop: int, reader: BlockReader | None,
-                require_finite: bool, *blocks: np.ndarray) -> dict[str, Summary] | None:
+def _write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_finite: bool,
+                start: int, stop: int, *blocks: np.ndarray) -> dict[str, Summary] | None:
     """One pass: write rows ``[start, stop)`` of the source as they are, returning their
     statistics.
 
@@ -137,9 +137,9 @@ def _write_rows(out: dict[str, zarr.Array], start: int, stop: int, reader: Block
     return summaries
 
 
-def _stage_chunk(scratch: dict[str, zarr.Array], start: int, stop: int, plan: SplitPlan | None,
-                 fit_split: int, fit_name: str | None, clean: bool, reader: BlockReader | None,
-                 *blocks: np.ndarray) -> tuple[np.ndarray, Moments | None]:
+def _stage_chunk(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str | None,
+                 clean: bool, reader: BlockReader | None, start: int, stop: int,
+                 plan: SplitPlan | None, *blocks: np.ndarray) -> tuple[np.ndarray, Moments | None]:
     _still_wanted(scratch)
     named = _rows(list(scratch), reader, start, stop, blocks)
     n = stop - start
@@ -156,8 +156,8 @@ def _stage_chunk(scratch: dict[str, zarr.Array], start: int, stop: int, plan: Sp
     return counts, fit
 
 
-def _write_chunk(out: dict[str, zarr.Array], start: int, sources: list[Any],
-                 pieces: list[tuple[int, int]], norm: dict[str, tuple]) -> dict[str, Summary]:
+def _write_chunk(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],
+                 start: int, pieces: list[tuple[int, int]]) -> dict[str, Summary]:
     """Second pass: write output rows from ``start``, gathered from the scratch arrays
     ``sources`` by ``pieces`` (row ranges) and normalised, returning their statistics."""
     _still_wanted(out)
@@ -243,9 +243,10 @@ def _write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockRe
     """One pass: source chunk i becomes output chunk i. A source that may hold NaN/inf is
     checked chunk by chunk; if any chunk does, the arrays are dropped and None returned."""
     out = _create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
-    tasks = [dask.delayed(_write_rows, pure=False)(
-                 out, start, start + n, reader, not src.known_finite,
-                 *_source_blocks(reader, blocks, i))
+    # Bound once, in a partial: dask would otherwise walk the arrays and the reader in the
+    # arguments of every task, looking for collections (milliseconds per task).
+    write = functools.partial(_write_rows, out, reader, not src.known_finite)
+    tasks = [dask.delayed(write, pure=False)(start, start + n, *_source_blocks(reader, blocks, i))
              for i, (start, n) in enumerate(zip(starts, lengths, strict=True))]
     results = gather_with_progress(client, client.compute(tasks), "writing", progress)
     if all(r is not None for r in results):
@@ -273,10 +274,11 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     }
     features = [n for n in names if specs[n].role == "features"]
     fit_name = features[0] if config.normalize and features else None
+    stage = functools.partial(_stage_chunk, scratch, 0, fit_name, not src.known_finite, reader)
     tasks = [
-        dask.delayed(_stage_chunk, pure=False)(
-            scratch, start, start + n, plan.slice_for(start, start + n) if plan else None,
-            0, fit_name, not src.known_finite, reader, *_source_blocks(reader, blocks, i))
+        dask.delayed(stage, pure=False)(
+            start, start + n, plan.slice_for(start, start + n) if plan else None,
+            *_source_blocks(reader, blocks, i))
         for i, (start, n) in enumerate(zip(starts, lengths, strict=True))
     ]
     staged = gather_with_progress(client, client.compute(tasks), "staging", progress)
@@ -302,8 +304,8 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
             "fitted_on": plan.names[0] if plan else "all"}}
     out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
     scratch_list = [scratch[n] for n in names]
-    tasks = [dask.delayed(_write_chunk, pure=False)(out, j * chunk_rows, scratch_list,
-                                                    pieces, norm)
+    write = functools.partial(_write_chunk, out, scratch_list, norm)
+    tasks = [dask.delayed(write, pure=False)(j * chunk_rows, pieces)
              for j, pieces in enumerate(_layout(counts, starts, chunk_rows))]
     results = gather_with_progress(client, client.compute(tasks), "writing", progress)
     return results, counts, normalization
