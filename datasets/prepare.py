@@ -20,6 +20,7 @@ source block and no copy of the rows between workers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import functools
@@ -34,6 +35,7 @@ import dask
 import numpy as np
 import zarr
 from distributed import Client
+from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore, StoreLike
 
 from dasktrain._cluster import cluster_client
@@ -132,9 +134,19 @@ def _write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_
     summaries = {name: summary_of(block) for name, block in rows.items()}
     if require_finite and not all(_all_finite(s) for s in summaries.values()):
         return None
-    for name, block in rows.items():
-        out[name][start:stop] = block
+    _write_together(out, slice(start, stop), rows)
     return summaries
+
+
+def _write_together(out: dict[str, zarr.Array], rows: slice, blocks: dict[str, np.ndarray]
+                    ) -> None:
+    """Write the same rows of every array in one batch: one hand-over to zarr's event loop
+    instead of one per array, and the arrays compressed side by side."""
+    async def write_all() -> None:
+        await asyncio.gather(*(out[name].async_array.setitem(rows, block)
+                               for name, block in blocks.items()))
+
+    zarr_sync(write_all())
 
 
 def _stage_chunk(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str | None,

@@ -50,12 +50,15 @@ class _MappedArray:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        mapped = np.memmap(
+    def mapped(self) -> np.memmap:
+        """The whole array, mapped read-only (nothing is read until indexed)."""
+        return np.memmap(
             self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape,
             order="F" if self.fortran_order else "C",
         )
-        return np.array(mapped[key])
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return np.array(self.mapped()[key])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,7 +68,9 @@ class _MappedRows:
     arrays: dict[str, tuple[_MappedArray, np.dtype]]
 
     def __call__(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        return {name: m[start:stop].astype(dtype, copy=False)
+        # Rows already of the stored dtype stay views of the mapping, not copies: the task
+        # reading them writes them within the same call (the mapping lives as long as they do).
+        return {name: np.asarray(m.mapped()[start:stop]).astype(dtype, copy=False)
                 for name, (m, dtype) in self.arrays.items()}
 
 
