@@ -52,17 +52,35 @@ MAX_LOCAL_WORKERS = 8
 #: back to the system.
 WORKER_MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
                              "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
-_STOCK_TRIM_THRESHOLD = "65536"  # distributed's pre-spawn-environ default
+#: What distributed starts workers with when nobody configured the allocator.
+_STOCK_MALLOC = {"MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_MMAP_THRESHOLD_": None}
 
 
-def _worker_environment() -> dict:
-    """distributed's pre-spawn environment with :data:`WORKER_MALLOC_ENVIRONMENT`, unless
-    the user has configured the allocator there themselves."""
-    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", None) or {})
-    trim = str(environ.get("MALLOC_TRIM_THRESHOLD_", _STOCK_TRIM_THRESHOLD))
-    if trim == _STOCK_TRIM_THRESHOLD and "MALLOC_MMAP_THRESHOLD_" not in environ:
-        environ.update(WORKER_MALLOC_ENVIRONMENT)
-    return environ
+@contextlib.contextmanager
+def _worker_malloc_settings() -> Iterator[None]:
+    """Start the nannies made within with :data:`WORKER_MALLOC_ENVIRONMENT`, unless the user
+    configured the allocator (in dask's configuration or the environment).
+
+    distributed takes these variables from ``os.environ`` before its configuration, and
+    writes them into ``os.environ`` as it starts a worker; both are put back afterwards.
+    """
+    config = dict(dask.config.get("distributed.nanny.pre-spawn-environ", None) or {})
+    current = {key: os.environ.get(key, config.get(key)) for key in _STOCK_MALLOC}
+    if {k: None if v is None else str(v) for k, v in current.items()} != _STOCK_MALLOC:
+        yield
+        return
+    saved = {key: os.environ.get(key) for key in _STOCK_MALLOC}
+    os.environ.update(WORKER_MALLOC_ENVIRONMENT)
+    try:
+        with dask.config.set({"distributed.nanny.pre-spawn-environ":
+                              {**config, **WORKER_MALLOC_ENVIRONMENT}}):
+            yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def default_local_cluster_options(
@@ -217,8 +235,7 @@ def start_local_cluster(n_workers: int | None = None,
     """The embedded default: a LocalCluster on 127.0.0.1 sized for this machine."""
     options = default_local_cluster_options(n_workers, memory_limit)
     logger.info("starting a LocalCluster with %d worker(s)", options["n_workers"])
-    with warnings.catch_warnings(), \
-            dask.config.set({"distributed.nanny.pre-spawn-environ": _worker_environment()}):
+    with warnings.catch_warnings(), _worker_malloc_settings():
         # Another cluster holding port 8787 only moves our (loopback) HTTP server elsewhere.
         warnings.filterwarnings("ignore", message="Port .* is already in use")
         # The nannies read the environment as they are made, within this call.
