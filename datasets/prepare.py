@@ -52,9 +52,38 @@ from dasktrain.datasets.sources.base import BlockReader
 from dasktrain.datasets.splits import SplitPlan
 from dasktrain.datasets.stats import Moments, Summary, merge_all, summary_of
 
-__all__ = ["prepare"]
+__all__ = ["TASK_BYTES", "plan_tasks", "prepare"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Work per task: one task writes consecutive chunks up to about this many bytes (~100 ms
+#: of reading, summarising and compressing), so that the scheduler's and workers' cost per
+#: task stays small next to the work (a 4 MiB chunk alone is ~10 ms of it).
+TASK_BYTES = 32 * 2**20
+
+
+def plan_tasks(num_chunks: int, chunk_bytes: int, parallelism: int,
+               task_bytes: int = TASK_BYTES) -> list[range]:
+    """Group chunks ``0 .. num_chunks - 1`` into tasks of consecutive chunks.
+
+    Each task gets about ``task_bytes`` of chunks, but there are at least ``parallelism``
+    tasks (while there are chunks enough) and, where the chunks allow, a multiple of it,
+    group sizes differing by at most one: no slot waits idle for a last, lone task.
+    """
+    if num_chunks <= 0:
+        return []
+    per_task = max(1, task_bytes // max(chunk_bytes, 1))
+    parallelism = max(1, parallelism)
+    tasks = -(-num_chunks // per_task)
+    tasks = min(num_chunks, -(-tasks // parallelism) * parallelism)
+    size, extra = divmod(num_chunks, tasks)
+    groups, first = [], 0
+    for t in range(tasks):
+        last = first + size + (t < extra)
+        groups.append(range(first, last))
+        first = last
+    return groups
 
 
 def _compressors(name: str) -> Any:
@@ -121,21 +150,28 @@ def _all_finite(summary: Summary) -> bool:
 
 
 def _write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_finite: bool,
-                start: int, stop: int, *blocks: np.ndarray) -> dict[str, Summary] | None:
-    """One pass: write rows ``[start, stop)`` of the source as they are, returning their
-    statistics.
+                ranges: list[tuple[int, int]], *blocks: np.ndarray
+                ) -> dict[str, Summary] | None:
+    """One pass: write the source's rows as they are, chunk by chunk (``ranges``, with the
+    source's blocks of each chunk in ``blocks`` where there is no reader), returning the
+    statistics of all of them.
 
     With ``require_finite``, a chunk holding NaN or infinities is not written and None is
     returned: the caller then falls back to the cleaning (two-pass) build. The statistics
     are computed first because they tell that for free.
     """
-    _still_wanted(out)
-    rows = _rows(list(out), reader, start, stop, blocks)
-    summaries = {name: summary_of(block) for name, block in rows.items()}
-    if require_finite and not all(_all_finite(s) for s in summaries.values()):
-        return None
-    _write_together(out, slice(start, stop), rows)
-    return summaries
+    names = list(out)
+    total: dict[str, Summary] | None = None
+    for k, (start, stop) in enumerate(ranges):
+        _still_wanted(out)  # per chunk: an abandoned build stops within one chunk's time
+        rows = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
+        summaries = {name: summary_of(block) for name, block in rows.items()}
+        if require_finite and not all(_all_finite(s) for s in summaries.values()):
+            return None
+        _write_together(out, slice(start, stop), rows)
+        total = summaries if total is None else {
+            name: total[name].merge(summaries[name]) for name in names}
+    return total
 
 
 def _write_together(out: dict[str, zarr.Array], rows: slice, blocks: dict[str, np.ndarray]
@@ -244,6 +280,11 @@ def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None)
     return True
 
 
+def _parallelism(client: Client) -> int:
+    """Tasks the cluster runs at once (its worker threads), at least one."""
+    return max(1, sum(client.nthreads().values()))
+
+
 def _source_blocks(reader: BlockReader | None, blocks: list, i: int) -> list:
     """The source's delayed blocks of chunk ``i``, or none where the task reads them itself."""
     return [] if reader is not None else [b[i] for b in blocks]
@@ -258,8 +299,11 @@ def _write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockRe
     # Bound once, in a partial: dask would otherwise walk the arrays and the reader in the
     # arguments of every task, looking for collections (milliseconds per task).
     write = functools.partial(_write_rows, out, reader, not src.known_finite)
-    tasks = [dask.delayed(write, pure=False)(start, start + n, *_source_blocks(reader, blocks, i))
-             for i, (start, n) in enumerate(zip(starts, lengths, strict=True))]
+    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in src.specs.values()])
+    tasks = [dask.delayed(write, pure=False)(
+                 [(starts[i], starts[i] + lengths[i]) for i in group],
+                 *[block for i in group for block in _source_blocks(reader, blocks, i)])
+             for group in plan_tasks(len(starts), chunk_bytes, _parallelism(client))]
     results = gather_with_progress(client, client.compute(tasks), "writing", progress)
     if all(r is not None for r in results):
         return results
