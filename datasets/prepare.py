@@ -185,40 +185,55 @@ def _write_together(out: dict[str, zarr.Array], rows: slice, blocks: dict[str, n
     zarr_sync(write_all())
 
 
-def _stage_chunk(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str | None,
-                 clean: bool, reader: BlockReader | None, start: int, stop: int,
-                 plan: SplitPlan | None, *blocks: np.ndarray) -> tuple[np.ndarray, Moments | None]:
-    _still_wanted(scratch)
-    named = _rows(list(scratch), reader, start, stop, blocks)
-    n = stop - start
-    keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
-    ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
-    rows = np.flatnonzero(keep)
-    rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, source order kept
-    for name, block in named.items():
-        scratch[name][start : start + len(rows)] = block[rows]
-    counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
-    fit = None
-    if fit_name is not None:
-        fit = Moments.of(named[fit_name][rows[ids[rows] == fit_split]])
-    return counts, fit
+def _stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str | None,
+                  clean: bool, reader: BlockReader | None, ranges: list[tuple[int, int]],
+                  plan: SplitPlan | None, *blocks: np.ndarray
+                  ) -> list[tuple[np.ndarray, Moments | None]]:
+    """First pass, chunk by chunk (``ranges``; the source's blocks of each in ``blocks``
+    where there is no reader): drop non-finite rows, group the rest by split into the
+    scratch arrays, and return per chunk the rows of each split and the moments of the
+    rows normalisation is fitted on."""
+    names = list(scratch)
+    staged = []
+    for k, (start, stop) in enumerate(ranges):
+        _still_wanted(scratch)
+        named = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
+        n = stop - start
+        keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
+        ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
+        rows = np.flatnonzero(keep)
+        rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, order kept
+        _write_together(scratch, slice(start, start + len(rows)),
+                        {name: block[rows] for name, block in named.items()})
+        counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
+        fit = None
+        if fit_name is not None:
+            fit = Moments.of(named[fit_name][rows[ids[rows] == fit_split]])
+        staged.append((counts, fit))
+    return staged
 
 
-def _write_chunk(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],
-                 start: int, pieces: list[tuple[int, int]]) -> dict[str, Summary]:
-    """Second pass: write output rows from ``start``, gathered from the scratch arrays
-    ``sources`` by ``pieces`` (row ranges) and normalised, returning their statistics."""
-    _still_wanted(out)
-    blocks = [np.concatenate([source[a:b] for a, b in pieces]) for source in sources]
-    summaries = {}
-    for (name, target), block in zip(out.items(), blocks, strict=True):
-        if name in norm:
-            mean, std = norm[name]
-            block = ((block - mean) / std).astype(target.dtype)
-        block = block.astype(target.dtype, copy=False)
-        target[start : start + len(block)] = block
-        summaries[name] = summary_of(block)
-    return summaries
+def _write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],
+                  chunks: list[tuple[int, list[tuple[int, int]]]]) -> dict[str, Summary]:
+    """Second pass: write output chunks, each ``(start, pieces)``: its rows gathered from
+    the scratch arrays ``sources`` by ``pieces`` (row ranges) and normalised. Returns the
+    statistics of all of them."""
+    total: dict[str, Summary] | None = None
+    for start, pieces in chunks:
+        _still_wanted(out)
+        blocks = {}
+        for (name, target), source in zip(out.items(), sources, strict=True):
+            block = np.concatenate([source[a:b] for a, b in pieces])
+            if name in norm:
+                mean, std = norm[name]
+                block = (block - mean) / std
+            blocks[name] = block.astype(target.dtype, copy=False)
+        _write_together(out, slice(start, start + len(next(iter(blocks.values())))), blocks)
+        summaries = {name: summary_of(block) for name, block in blocks.items()}
+        total = summaries if total is None else {
+            name: total[name].merge(summaries[name]) for name in summaries}
+    assert total is not None, "a task writes at least one chunk"
+    return total
 
 
 # -- orchestration (runs on the client) -------------------------------------------------------
@@ -330,14 +345,18 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     }
     features = [n for n in names if specs[n].role == "features"]
     fit_name = features[0] if config.normalize and features else None
-    stage = functools.partial(_stage_chunk, scratch, 0, fit_name, not src.known_finite, reader)
-    tasks = [
-        dask.delayed(stage, pure=False)(
-            start, start + n, plan.slice_for(start, start + n) if plan else None,
-            *_source_blocks(reader, blocks, i))
-        for i, (start, n) in enumerate(zip(starts, lengths, strict=True))
-    ]
-    staged = gather_with_progress(client, client.compute(tasks), "staging", progress)
+    stage = functools.partial(_stage_chunks, scratch, 0, fit_name, not src.known_finite, reader)
+    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in specs.values()])
+    parallelism = _parallelism(client)
+    tasks = []
+    for group in plan_tasks(len(starts), chunk_bytes, parallelism):
+        first, last = group[0], group[-1]
+        tasks.append(dask.delayed(stage, pure=False)(
+            [(starts[i], starts[i] + lengths[i]) for i in group],
+            plan.slice_for(starts[first], starts[last] + lengths[last]) if plan else None,
+            *[block for i in group for block in _source_blocks(reader, blocks, i)]))
+    staged = [chunk for task in gather_with_progress(client, client.compute(tasks), "staging",
+                                                     progress) for chunk in task]
     counts = np.stack([c for c, _ in staged])
     num_samples = int(counts.sum())
     if num_samples == 0:
@@ -360,9 +379,10 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
             "fitted_on": plan.names[0] if plan else "all"}}
     out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
     scratch_list = [scratch[n] for n in names]
-    write = functools.partial(_write_chunk, out, scratch_list, norm)
-    tasks = [dask.delayed(write, pure=False)(j * chunk_rows, pieces)
-             for j, pieces in enumerate(_layout(counts, starts, chunk_rows))]
+    write = functools.partial(_write_chunks, out, scratch_list, norm)
+    layout = _layout(counts, starts, chunk_rows)
+    tasks = [dask.delayed(write, pure=False)([(j * chunk_rows, layout[j]) for j in group])
+             for group in plan_tasks(len(layout), chunk_bytes, parallelism)]
     results = gather_with_progress(client, client.compute(tasks), "writing", progress)
     return results, counts, normalization
 
