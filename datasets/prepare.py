@@ -300,9 +300,28 @@ def _parallelism(client: Client) -> int:
     return max(1, sum(client.nthreads().values()))
 
 
-def _source_blocks(reader: BlockReader | None, blocks: list, i: int) -> list:
-    """The source's delayed blocks of chunk ``i``, or none where the task reads them itself."""
-    return [] if reader is not None else [b[i] for b in blocks]
+def _run(client: Client, task: Any, args: list[tuple], blocks: list[list] | None, desc: str,
+         progress: bool) -> list:
+    """Run ``task(*args[t], *blocks[t])`` for every t and gather the results in order.
+
+    Without source blocks (the task reads its rows itself) the tasks are submitted as they
+    are, in one message: no graph to build and optimise first (milliseconds a build).
+    """
+    if blocks is None:
+        futures = client.map(task, *zip(*args, strict=True), pure=False)
+    else:
+        futures = client.compute([dask.delayed(task, pure=False)(*a, *b)
+                                  for a, b in zip(args, blocks, strict=True)])
+    return gather_with_progress(client, futures, desc, progress)
+
+
+def _group_blocks(reader: BlockReader | None, blocks: list, groups: list[range]
+                  ) -> list[list] | None:
+    """Per task, the source's delayed blocks of its chunks (array by array within a chunk),
+    or None where the tasks read their rows themselves."""
+    if reader is not None:
+        return None
+    return [[b[i] for i in group for b in blocks] for group in groups]
 
 
 def _write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockReader | None,
@@ -315,11 +334,10 @@ def _write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockRe
     # arguments of every task, looking for collections (milliseconds per task).
     write = functools.partial(_write_rows, out, reader, not src.known_finite)
     chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in src.specs.values()])
-    tasks = [dask.delayed(write, pure=False)(
-                 [(starts[i], starts[i] + lengths[i]) for i in group],
-                 *[block for i in group for block in _source_blocks(reader, blocks, i)])
-             for group in plan_tasks(len(starts), chunk_bytes, _parallelism(client))]
-    results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+    groups = plan_tasks(len(starts), chunk_bytes, _parallelism(client))
+    results = _run(client, write,
+                   [([(starts[i], starts[i] + lengths[i]) for i in group],) for group in groups],
+                   _group_blocks(reader, blocks, groups), "writing", progress)
     if all(r is not None for r in results):
         return results
     logger.info("source holds NaN or infinite values: cleaning in two passes")
@@ -348,15 +366,15 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     stage = functools.partial(_stage_chunks, scratch, 0, fit_name, not src.known_finite, reader)
     chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in specs.values()])
     parallelism = _parallelism(client)
-    tasks = []
-    for group in plan_tasks(len(starts), chunk_bytes, parallelism):
+    groups = plan_tasks(len(starts), chunk_bytes, parallelism)
+    args = []
+    for group in groups:
         first, last = group[0], group[-1]
-        tasks.append(dask.delayed(stage, pure=False)(
-            [(starts[i], starts[i] + lengths[i]) for i in group],
-            plan.slice_for(starts[first], starts[last] + lengths[last]) if plan else None,
-            *[block for i in group for block in _source_blocks(reader, blocks, i)]))
-    staged = [chunk for task in gather_with_progress(client, client.compute(tasks), "staging",
-                                                     progress) for chunk in task]
+        args.append(([(starts[i], starts[i] + lengths[i]) for i in group],
+                     plan.slice_for(starts[first], starts[last] + lengths[last]) if plan
+                     else None))
+    staged = [chunk for task in _run(client, stage, args, _group_blocks(reader, blocks, groups),
+                                     "staging", progress) for chunk in task]
     counts = np.stack([c for c, _ in staged])
     num_samples = int(counts.sum())
     if num_samples == 0:
@@ -381,9 +399,9 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     scratch_list = [scratch[n] for n in names]
     write = functools.partial(_write_chunks, out, scratch_list, norm)
     layout = _layout(counts, starts, chunk_rows)
-    tasks = [dask.delayed(write, pure=False)([(j * chunk_rows, layout[j]) for j in group])
-             for group in plan_tasks(len(layout), chunk_bytes, parallelism)]
-    results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+    results = _run(client, write, [([(j * chunk_rows, layout[j]) for j in group],)
+                                   for group in plan_tasks(len(layout), chunk_bytes, parallelism)],
+                   None, "writing", progress)
     return results, counts, normalization
 
 
