@@ -203,12 +203,14 @@ def _stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str 
         ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
         rows = np.flatnonzero(keep)
         rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, order kept
-        _write_together(scratch, slice(start, start + len(rows)),
-                        {name: block[rows] for name, block in named.items()})
+        grouped = {name: block[rows] for name, block in named.items()}
+        _write_together(scratch, slice(start, start + len(rows)), grouped)
         counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
         fit = None
         if fit_name is not None:
-            fit = Moments.of(named[fit_name][rows[ids[rows] == fit_split]])
+            # The rows of a split are a contiguous run of the grouped rows: a view, no copy.
+            first = int(counts[:fit_split].sum())
+            fit = Moments.of(grouped[fit_name][first : first + int(counts[fit_split])])
         staged.append((counts, fit))
     return staged
 
@@ -223,11 +225,13 @@ def _write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str
         _still_wanted(out)
         blocks = {}
         for (name, target), source in zip(out.items(), sources, strict=True):
-            block = np.concatenate([source[a:b] for a, b in pieces])
-            if name in norm:
+            block = np.concatenate([source[a:b] for a, b in pieces]).astype(
+                target.dtype, copy=False)
+            if name in norm:  # in place: the block is this task's own copy
                 mean, std = norm[name]
-                block = (block - mean) / std
-            blocks[name] = block.astype(target.dtype, copy=False)
+                block -= mean
+                block /= std
+            blocks[name] = block
         _write_together(out, slice(start, start + len(next(iter(blocks.values())))), blocks)
         summaries = {name: summary_of(block) for name, block in blocks.items()}
         total = summaries if total is None else {
@@ -358,7 +362,9 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     scratch = {
         name: scratch_root.create_array(
             name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
-            chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0)
+            chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0,
+            # Chunk files side by side, not a directory each: fewer to make and remove.
+            chunk_key_encoding={"name": "default", "separator": "."})
         for name, spec in specs.items()
     }
     features = [n for n in names if specs[n].role == "features"]
