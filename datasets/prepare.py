@@ -1,9 +1,10 @@
 """Build a dataset from a source with Dask: clean, split, normalise, write Zarr atomically.
 
-Without a split or normalisation a build takes one pass: each task reads one chunk's rows of
-the source, computes their exact statistics (which also tell whether every value is finite),
-and compresses and writes them as one output chunk. A source holding NaN or infinities, a
-split or normalisation take two passes, which keep memory bounded by a few chunks:
+Without a split or normalisation a build takes one pass: chunk by chunk, a task reads the
+source's rows, computes their exact statistics (which also tell whether every value is
+finite), and compresses and writes them as one output chunk. A source holding NaN or
+infinities, a split or normalisation take two passes, which keep memory bounded by a few
+chunks:
 
 1. *stage*: each source chunk is cleaned (rows with NaN/inf dropped), its rows are assigned to
    splits and grouped by split, and the chunk is written to an uncompressed scratch Zarr;
@@ -13,9 +14,10 @@ split or normalisation take two passes, which keep memory bounded by a few chunk
    split 0 first, then split 1, ...), normalises, compresses and writes, returning statistics
    of the stored values.
 
-One task writes one output chunk, so no two tasks ever write the same chunk. Where the
-source has a :data:`BlockReader` (files, generators), a task reads its own rows: no task per
-source block and no copy of the rows between workers.
+A task handles a run of consecutive chunks (:func:`plan_tasks`, ~32 MiB), one at a time;
+every output chunk is written by exactly one task, so no two tasks ever write the same chunk.
+Where the source has a :data:`BlockReader` (files, generators), a task reads its own rows:
+no task per source block and no copy of the rows between workers.
 """
 
 from __future__ import annotations
