@@ -3,23 +3,26 @@
 What it measures
 ----------------
 MB/s of writing one ``.npy`` source (float32 features ``x`` plus int64 labels ``y`` from a
-second ``.npy``) into a Zarr v3 group with zstd (level 3, checksummed) chunks of
-``--chunk-rows`` rows, two ways:
+second ``.npy``) into a Zarr v3 group with zstd (level 3, checksummed) chunks, two ways:
 
-* **dask**: ``dasktrain.prepare(x.npy, out, target=y.npy, chunk_rows=..., client=client)`` on a
+* **dask**: ``dasktrain.prepare(x.npy, out, target=y.npy, client=client)`` on a
   ``LocalCluster`` of ``--workers`` single-threaded worker processes. The cluster is started
   once, before any timing, and reused for every repeat: start-up is not measured. Everything
-  ``prepare`` does is measured (for ``.npy`` sources that includes its NaN/inf screening and
-  its two passes, stage then write, and opening the finished dataset).
+  ``prepare`` does is measured: its NaN/inf check of every value, the exact per-feature
+  statistics that ``verify`` compares, the atomic publish (build in a hidden directory,
+  rename into place, replacing the previous run's output) and opening the finished dataset.
 * **baseline**: what a user would otherwise write, a single-process loop that maps the same
   ``.npy`` files (``np.load(mmap_mode="r")``) and assigns them chunk by chunk into arrays made
   with ``zarr.open_group(...).create_array(...)``, same chunks and same codec.
 
-Two rows are reported: the same work on both sides, and a row where ``prepare`` also splits
-(``train=0.9,val=0.1``) and normalises, against the same plain loop (so the dask side does
-more work there). MB/s counts the uncompressed bytes of ``x`` + ``y`` over the wall time of
-one run; each cell is the median of ``--repeats`` runs, after one unmeasured warm-up run of
-each path. Data lives in a temporary directory removed at exit.
+The rows come first with ``prepare``'s default settings (its default chunk size, 4 MiB of
+rows: the baseline writes the same chunks), then with ``--chunk-rows`` (default 8192, 1 MiB)
+given to both sides. Each comes twice: the same work on both sides (the outputs are compared
+value for value), and ``prepare`` also splitting (``train=0.9,val=0.1``) and normalising
+against the same plain loop (so the dask side does more work there). MB/s counts the
+uncompressed bytes of ``x`` + ``y`` over the wall time of one run; each cell is the median of
+``--repeats`` runs, interleaved, after one unmeasured warm-up run of each. Data lives in a
+temporary directory removed at exit.
 
 How to run
 ----------
@@ -27,6 +30,7 @@ From the repository root::
 
     .venv/bin/python benchmarks/prepare.py
     .venv/bin/python benchmarks/prepare.py --rows 400000 --width 32 --repeats 5 --workers 2
+    .venv/bin/python benchmarks/prepare.py --quick     # seconds: rough figures
 """
 
 from __future__ import annotations
@@ -53,9 +57,13 @@ import zarr
 from distributed import Client, LocalCluster
 
 import dasktrain
+from dasktrain._cluster import start_local_cluster
+from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.datasets.format import chunk_rows_for
 
 CHUNK_ROWS = 8192
 MORE_WORK = {"split": "train=0.9,val=0.1", "normalize": True}
+QUICK = {"rows": 60_000, "repeats": 1}
 
 
 def make_source(directory: Path, rows: int, width: int, seed: int = 0) -> tuple[Path, Path]:
@@ -92,10 +100,9 @@ def baseline_write(x_path: Path, y_path: Path, out: Path, chunk_rows: int) -> No
         arrays["y"][a:b] = np.asarray(y[a:b])
 
 
-def dask_write(client: Client, x_path: Path, y_path: Path, out: Path, chunk_rows: int,
-               **opts: object) -> None:
+def dask_write(client: Client, x_path: Path, y_path: Path, out: Path, **opts: object) -> None:
     dasktrain.prepare(x_path, out, client=client, progress=False, overwrite=True,
-                      chunk_rows=chunk_rows, target=str(y_path), **opts)
+                      target=str(y_path), **opts)
 
 
 def timed(run: Callable[[], None]) -> float:
@@ -125,78 +132,121 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="Dask workers (default 2)")
     parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS,
-                        help=f"rows per chunk (default {CHUNK_ROWS})")
-    args = parser.parse_args(argv)
+                        help=f"rows per chunk of the rows after the defaults' (default "
+                             f"{CHUNK_ROWS})")
+    args = parse_with_quick(parser, argv, QUICK,
+                            f"a few seconds: {QUICK['rows']:,} rows, one timed run")
     for flag in ("rows", "width", "repeats", "workers", "chunk_rows"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     return args
 
 
+def measure(runs: dict[str, Callable[[], None]], repeats: int,
+            failed: dict[str, str]) -> dict[str, float]:
+    """Median seconds of each run, after one unmeasured warm-up run of each (imports on the
+    workers, page cache); runs interleaved so that drift hits every path alike. A dask path
+    that fails is recorded in ``failed``, not timed, and the others still run."""
+    for name, run in runs.items():
+        try:
+            run()
+        except Exception as exc:
+            if name.startswith("base"):
+                raise
+            traceback.print_exc()
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    times: dict[str, list[float]] = {name: [] for name in runs if name not in failed}
+    for _ in range(repeats):
+        for name in times:
+            times[name].append(timed(runs[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     wall = time.perf_counter()
+    out = sys.stderr if args.ratios_json else sys.stdout
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="dasktrain-bench-") as tmp:
         root = Path(tmp)
         x_path, y_path = make_source(root, args.rows, args.width)
         mb = args.rows * (args.width * 4 + 8) / 1e6  # uncompressed x (float32) + y (int64)
-        base_out, plain_out, more_out = root / "baseline", root / "plain", root / "more"
+        # prepare's default chunk size, in rows of x + y: what its defaults write.
+        default_rows = min(args.rows, chunk_rows_for(args.width * 4 + 8))
 
+        def baseline(rows: int) -> Callable[[], None]:
+            return lambda: baseline_write(x_path, y_path, root / f"base-{rows}", rows)
+
+        def dask(client: Client, name: str, **opts: object) -> Callable[[], None]:
+            return lambda: dask_write(client, x_path, y_path, root / name, **opts)
+
+        # The cluster `dasktrain prepare` and `dt.prepare()` start when given none (its
+        # worker count set here), then a LocalCluster with distributed's own settings.
+        with start_local_cluster(args.workers) as cluster, Client(cluster) as client:
+            client.wait_for_workers(args.workers)
+            tuned = {"chunk_rows": args.chunk_rows}
+            med = measure({
+                "base-default": baseline(default_rows),
+                "plain-default": dask(client, "plain-default"),
+                "more-default": dask(client, "more-default", **MORE_WORK),
+                "base-tuned": baseline(args.chunk_rows),
+                "plain-tuned": dask(client, "plain-tuned", **tuned),
+                "more-tuned": dask(client, "more-tuned", **tuned, **MORE_WORK),
+            }, args.repeats, failed)
         with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                           host="127.0.0.1", dashboard_address=None,
                           silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
             client.wait_for_workers(args.workers)
-            runs: dict[str, Callable[[], None]] = {
-                "baseline": lambda: baseline_write(x_path, y_path, base_out, args.chunk_rows),
-                "plain": lambda: dask_write(client, x_path, y_path, plain_out, args.chunk_rows),
-                "more": lambda: dask_write(client, x_path, y_path, more_out, args.chunk_rows,
-                                           **MORE_WORK),
-            }
-            # Warm-up (imports on workers, page cache); a path that fails is reported, not
-            # timed, and the others still run.
-            failed: dict[str, str] = {}
-            for name, run in runs.items():
-                try:
-                    run()
-                except Exception as exc:
-                    if name == "baseline":
-                        raise
-                    traceback.print_exc()
-                    failed[name] = f"{type(exc).__name__}: {exc}"
-            if "plain" not in failed:
-                check_same(base_out, plain_out)
-            times: dict[str, list[float]] = {name: [] for name in runs if name not in failed}
-            for _ in range(args.repeats):  # interleaved so drift hits every path alike
-                for name in times:
-                    times[name].append(timed(runs[name]))
+            own = measure({"base-own": baseline(default_rows),
+                           "plain-own": dask(client, "plain-own")}, args.repeats, failed)
+            med.update(own)
+        for name, rows in (("default", default_rows), ("tuned", args.chunk_rows),
+                           ("own", default_rows)):
+            if f"plain-{name}" not in failed:
+                check_same(root / f"base-{rows}", root / f"plain-{name}")
 
-    med = {name: statistics.median(t) for name, t in times.items()}
     rate = {name: mb / t for name, t in med.items()}
     print(f"prepare throughput: {args.rows} rows x {args.width} float32 features + int64 "
-          f"labels = {mb:.1f} MB uncompressed, chunk_rows={args.chunk_rows}, zstd level 3; "
-          f"median of {args.repeats} runs")
-    print(f"dask: LocalCluster {args.workers} worker process(es) x 1 thread (start-up not "
-          f"timed); baseline: 1 process; {os.cpu_count()} CPU(s), Python "
-          f"{platform.python_version()}, zarr {zarr.__version__}, numpy {np.__version__}")
-    print()
-    print("| workload | dask MB/s | baseline MB/s | dask / baseline |")
-    print("|---|---:|---:|---:|")
-    rows = [
-        ("same output: .npy x + y labels -> zarr", "plain"),
-        ("dask does more: + split=train=0.9,val=0.1, normalize=True "
-         "(baseline: same plain loop)", "more"),
+          f"labels = {mb:.1f} MB uncompressed, zstd level 3; median of {args.repeats} runs",
+          file=out)
+    print(f"dask: {args.workers} worker process(es) x 1 thread (start-up not timed); "
+          f"baseline: 1 process; {os.cpu_count()} CPU(s), load average "
+          f"{os.getloadavg()[0]:.1f} at the end, Python {platform.python_version()}, zarr "
+          f"{zarr.__version__}, numpy {np.__version__}", file=out)
+    print(file=out)
+    print("| settings | workload | dask MB/s | baseline MB/s | dask / baseline |", file=out)
+    print("|---|---|---:|---:|---:|", file=out)
+    same = "same output: .npy x + y labels -> zarr"
+    more = ("dask does more: + split=train=0.9,val=0.1, normalize=True "
+            "(baseline: same plain loop)")
+    defaults = f"defaults ({default_rows:,}-row = 4 MiB chunks, dasktrain's LocalCluster)"
+    table = [
+        (defaults, same, "plain-default", "base-default"),
+        (defaults, more, "more-default", "base-default"),
+        (f"--chunk-rows {args.chunk_rows:,}", same, "plain-tuned", "base-tuned"),
+        (f"--chunk-rows {args.chunk_rows:,}", more, "more-tuned", "base-tuned"),
+        ("defaults, on a LocalCluster with distributed's own worker settings", same,
+         "plain-own", "base-own"),
     ]
-    base = f"{rate['baseline']:.1f} ({med['baseline']:.2f} s)"
-    for label, name in rows:
+    ratios = []
+    for setting, label, name, base_name in table:
+        base = f"{rate[base_name]:.1f} ({med[base_name]:.2f} s)"
         if name in failed:
-            print(f"| {label} | FAILED: {failed[name]} | {base} | - |")
-        else:
-            print(f"| {label} | {rate[name]:.1f} ({med[name]:.2f} s) | {base} | "
-                  f"{rate[name] / rate['baseline']:.2f}x |")
-    print()
-    print(f"command: {shlex.join(sys.orig_argv)}")
+            print(f"| {setting} | {label} | FAILED: {failed[name]} | {base} | - |", file=out)
+            continue
+        ratio = ratio_of(rate[name], rate[base_name])
+        print(f"| {setting} | {label} | {rate[name]:.1f} ({med[name]:.2f} s) | {base} | "
+              f"{ratio:.2f}x |", file=out)
+        ratios.append(Ratio(
+            workload=f"prepare MB/s, {label.split(':')[0]}, {setting}",
+            ours=f"{rate[name]:.1f}", baseline=f"{rate[base_name]:.1f} (plain zarr loop)",
+            ratio=ratio, goal="≥ 0.8x" if name == "plain-default" else "—"))
+    print(file=out)
+    print(f"command: {shlex.join(sys.orig_argv)}", file=out)
     print(f"total wall time: {time.perf_counter() - wall:.1f} s (incl. data generation, "
-          f"cluster start-up, warm-up)")
+          f"cluster start-up, warm-up)", file=out)
+    if args.ratios_json:
+        write_ratios(args.ratios_json, ratios)
     return 1 if failed else 0
 
 

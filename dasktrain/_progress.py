@@ -26,14 +26,15 @@ def gather_with_progress(
     The first failure (or a Ctrl-C) cancels whatever is still running, so an aborted job
     does not keep the cluster busy, then re-raises.
     """
-    index = {f.key: i for i, f in enumerate(futures)}
-    results: list[Any] = [None] * len(futures)
     try:
         with tqdm(total=len(futures), desc=desc, unit="chunk", disable=not progress,
                   leave=False, dynamic_ncols=True) as bar:
             for future in as_completed(futures, loop=client.loop):
-                results[index[future.key]] = future.result()
+                if future.status != "finished":
+                    future.result()  # raises the task's error
                 bar.update(1)
+        # One request per worker for all results, rather than a round trip per future.
+        results = client.gather(list(futures))
     except BaseException:
         client.cancel(list(futures))
         # A task already running on a worker is not stopped by a cancel: it runs to its

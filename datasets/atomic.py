@@ -54,7 +54,7 @@ class StagedDirectory:
         self.scratch = target.parent / f".{target.name}.scratch-{token}"
         target.parent.mkdir(parents=True, exist_ok=True)
         self.path.mkdir()
-        self.scratch.mkdir()
+        # The scratch directory is made by what needs it (most builds never do).
         self.source_scratch = str(self.scratch / "source")
 
     def open_group(self) -> zarr.Group:
@@ -62,7 +62,7 @@ class StagedDirectory:
         return zarr.open_group(str(self.path), mode="w")
 
     def stage_store(self) -> str:
-        """Where the two-pass build keeps its scratch Zarr."""
+        """Where the two-pass build keeps its scratch Zarr (made by the first write)."""
         return str(self.scratch / "stage")
 
     def publish(self, attrs: dict[str, Any] | None = None) -> None:

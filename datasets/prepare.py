@@ -1,7 +1,10 @@
 """Build a dataset from a source with Dask: clean, split, normalise, write Zarr atomically.
 
-Small sources (known finite, no split, no normalisation) take one pass: each source chunk is
-written as one output chunk. Otherwise two passes keep memory bounded by a few chunks:
+Without a split or normalisation a build takes one pass: chunk by chunk, a task reads the
+source's rows, computes their exact statistics (which also tell whether every value is
+finite), and compresses and writes them as one output chunk. A source holding NaN or
+infinities, a split or normalisation take two passes, which keep memory bounded by a few
+chunks:
 
 1. *stage*: each source chunk is cleaned (rows with NaN/inf dropped), its rows are assigned to
    splits and grouped by split, and the chunk is written to an uncompressed scratch Zarr;
@@ -11,13 +14,18 @@ written as one output chunk. Otherwise two passes keep memory bounded by a few c
    split 0 first, then split 1, ...), normalises, compresses and writes, returning statistics
    of the stored values.
 
-One task writes one output chunk, so no two tasks ever write the same chunk.
+A task handles a run of consecutive chunks (:func:`plan_tasks`, ~32 MiB), one at a time;
+every output chunk is written by exactly one task, so no two tasks ever write the same chunk.
+Where the source has a :data:`BlockReader` (files, generators), a task reads its own rows:
+no task per source block and no copy of the rows between workers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import logging
 import os
@@ -29,6 +37,7 @@ import dask
 import numpy as np
 import zarr
 from distributed import Client
+from zarr.core.sync import sync as zarr_sync
 from zarr.storage import FsspecStore, StoreLike
 
 from dasktrain._cluster import cluster_client
@@ -41,12 +50,42 @@ from dasktrain.datasets.errors import DatasetError, SourceError
 from dasktrain.datasets.format import FORMAT_VERSION, chunk_rows_for, row_bytes
 from dasktrain.datasets.remote import StagedPrefix, check_output_url
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
+from dasktrain.datasets.sources.base import BlockReader
 from dasktrain.datasets.splits import SplitPlan
-from dasktrain.datasets.stats import Moments, merge_all, summary_of
+from dasktrain.datasets.stats import Moments, Summary, merge_all, summary_of
 
-__all__ = ["prepare"]
+__all__ = ["TASK_BYTES", "plan_tasks", "prepare"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Work per task: one task writes consecutive chunks up to about this many bytes (~100 ms
+#: of reading, summarising and compressing), so that the scheduler's and workers' cost per
+#: task stays small next to the work (a 4 MiB chunk alone is ~10 ms of it).
+TASK_BYTES = 32 * 2**20
+
+
+def plan_tasks(num_chunks: int, chunk_bytes: int, parallelism: int,
+               task_bytes: int = TASK_BYTES) -> list[range]:
+    """Group chunks ``0 .. num_chunks - 1`` into tasks of consecutive chunks.
+
+    Each task gets about ``task_bytes`` of chunks, but there are at least ``parallelism``
+    tasks (while there are chunks enough) and, where the chunks allow, a multiple of it,
+    group sizes differing by at most one: no slot waits idle for a last, lone task.
+    """
+    if num_chunks <= 0:
+        return []
+    per_task = max(1, task_bytes // max(chunk_bytes, 1))
+    parallelism = max(1, parallelism)
+    tasks = -(-num_chunks // per_task)
+    tasks = min(num_chunks, -(-tasks // parallelism) * parallelism)
+    size, extra = divmod(num_chunks, tasks)
+    groups, first = [], 0
+    for t in range(tasks):
+        last = first + size + (t < extra)
+        groups.append(range(first, last))
+        first = last
+    return groups
 
 
 def _compressors(name: str) -> Any:
@@ -99,50 +138,108 @@ def _still_wanted(arrays: dict[str, zarr.Array]) -> None:
         raise RuntimeError(f"build directory {root} is gone; the preparation was abandoned")
 
 
-def _stage_chunk(scratch: dict[str, zarr.Array], start: int, plan: SplitPlan | None,
-                 fit_split: int, fit_name: str | None, clean: bool, *blocks: np.ndarray
-                 ) -> tuple[np.ndarray, Moments | None]:
-    _still_wanted(scratch)
-    named = dict(zip(scratch, blocks, strict=True))
-    n = len(blocks[0])
-    keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
-    ids = plan.assign(start, start + n) if plan is not None else np.zeros(n, dtype=np.int8)
-    rows = np.flatnonzero(keep)
-    rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, source order kept
-    for name, block in named.items():
-        scratch[name][start : start + len(rows)] = block[rows]
-    counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
-    fit = None
-    if fit_name is not None:
-        fit = Moments.of(named[fit_name][rows[ids[rows] == fit_split]])
-    return counts, fit
+def _rows(names: list[str], reader: BlockReader | None, start: int, stop: int,
+          blocks: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
+    """A chunk's rows of every array: read here, or handed over as the source's blocks."""
+    if reader is not None:
+        return reader(start, stop)
+    return {name: np.asarray(block) for name, block in zip(names, blocks, strict=True)}
 
 
-def _write_chunk(out: dict[str, zarr.Array], start: int, sources: list[Any],
-                 pieces: list[tuple[int, int]] | None, norm: dict[str, tuple],
-                 require_finite: bool = False) -> dict | None:
-    """Write output rows from ``start``: ``sources`` are scratch arrays read by ``pieces``
-    (row ranges), or the source blocks themselves when ``pieces`` is None.
+def _all_finite(summary: Summary) -> bool:
+    # Integer arrays (class counts) cannot hold NaN or infinities.
+    return not isinstance(summary, Moments) or summary.finite
+
+
+def _write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_finite: bool,
+                ranges: list[tuple[int, int]], *blocks: np.ndarray
+                ) -> dict[str, Summary] | None:
+    """One pass: write the source's rows as they are, chunk by chunk (``ranges``, with the
+    source's blocks of each chunk in ``blocks`` where there is no reader), returning the
+    statistics of all of them.
 
     With ``require_finite``, a chunk holding NaN or infinities is not written and None is
-    returned: the caller then falls back to the cleaning (two-pass) build.
+    returned: the caller then falls back to the cleaning (two-pass) build. The statistics
+    are computed first because they tell that for free.
     """
-    _still_wanted(out)
-    if pieces is None:
-        blocks = [np.asarray(source) for source in sources]
-    else:
-        blocks = [np.concatenate([source[a:b] for a, b in pieces]) for source in sources]
-    if require_finite and not _finite_rows(dict(zip(out, blocks, strict=True))).all():
-        return None
-    summaries = {}
-    for (name, target), block in zip(out.items(), blocks, strict=True):
-        if name in norm:
-            mean, std = norm[name]
-            block = ((block - mean) / std).astype(target.dtype)
-        block = block.astype(target.dtype, copy=False)
-        target[start : start + len(block)] = block
-        summaries[name] = summary_of(block)
-    return summaries
+    names = list(out)
+    total: dict[str, Summary] | None = None
+    for k, (start, stop) in enumerate(ranges):
+        _still_wanted(out)  # per chunk: an abandoned build stops within one chunk's time
+        rows = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
+        summaries = {name: summary_of(block) for name, block in rows.items()}
+        if require_finite and not all(_all_finite(s) for s in summaries.values()):
+            return None
+        _write_together(out, slice(start, stop), rows)
+        total = summaries if total is None else {
+            name: total[name].merge(summaries[name]) for name in names}
+    return total
+
+
+def _write_together(out: dict[str, zarr.Array], rows: slice, blocks: dict[str, np.ndarray]
+                    ) -> None:
+    """Write the same rows of every array in one batch: one hand-over to zarr's event loop
+    instead of one per array, and the arrays compressed side by side."""
+    async def write_all() -> None:
+        await asyncio.gather(*(out[name].async_array.setitem(rows, block)
+                               for name, block in blocks.items()))
+
+    zarr_sync(write_all())
+
+
+def _stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str | None,
+                  clean: bool, reader: BlockReader | None, ranges: list[tuple[int, int]],
+                  plan: SplitPlan | None, *blocks: np.ndarray
+                  ) -> list[tuple[np.ndarray, Moments | None]]:
+    """First pass, chunk by chunk (``ranges``; the source's blocks of each in ``blocks``
+    where there is no reader): drop non-finite rows, group the rest by split into the
+    scratch arrays, and return per chunk the rows of each split and the moments of the
+    rows normalisation is fitted on."""
+    names = list(scratch)
+    staged = []
+    for k, (start, stop) in enumerate(ranges):
+        _still_wanted(scratch)
+        named = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
+        n = stop - start
+        keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
+        ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
+        rows = np.flatnonzero(keep)
+        rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, order kept
+        grouped = {name: block[rows] for name, block in named.items()}
+        _write_together(scratch, slice(start, start + len(rows)), grouped)
+        counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
+        fit = None
+        if fit_name is not None:
+            # The rows of a split are a contiguous run of the grouped rows: a view, no copy.
+            first = int(counts[:fit_split].sum())
+            fit = Moments.of(grouped[fit_name][first : first + int(counts[fit_split])])
+        staged.append((counts, fit))
+    return staged
+
+
+def _write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],
+                  chunks: list[tuple[int, list[tuple[int, int]]]]) -> dict[str, Summary]:
+    """Second pass: write output chunks, each ``(start, pieces)``: its rows gathered from
+    the scratch arrays ``sources`` by ``pieces`` (row ranges) and normalised. Returns the
+    statistics of all of them."""
+    total: dict[str, Summary] | None = None
+    for start, pieces in chunks:
+        _still_wanted(out)
+        blocks = {}
+        for (name, target), source in zip(out.items(), sources, strict=True):
+            block = np.concatenate([source[a:b] for a, b in pieces]).astype(
+                target.dtype, copy=False)
+            if name in norm:  # in place: the block is this task's own copy
+                mean, std = norm[name]
+                block -= mean
+                block /= std
+            blocks[name] = block
+        _write_together(out, slice(start, start + len(next(iter(blocks.values())))), blocks)
+        summaries = {name: summary_of(block) for name, block in blocks.items()}
+        total = summaries if total is None else {
+            name: total[name].merge(summaries[name]) for name in summaries}
+    assert total is not None, "a task writes at least one chunk"
+    return total
 
 
 # -- orchestration (runs on the client) -------------------------------------------------------
@@ -172,21 +269,27 @@ def _layout(counts: np.ndarray, starts: list[int], chunk_rows: int) -> list[list
     return [c for c in chunks if c]
 
 
-def _provenance(source: str, src: Source, config: PrepareConfig) -> dict[str, Any]:
-    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-               if f.name != "overwrite"}
+@functools.cache
+def _versions() -> dict[str, str | None]:
+    # Read once per process: looking packages up costs milliseconds per build.
     versions = {}
     for package in ("dasktrain", "dask", "distributed", "zarr", "numpy"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
+    return versions
+
+
+def _provenance(source: str, src: Source, config: PrepareConfig) -> dict[str, Any]:
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if f.name != "overwrite"}
     return {
         "source": os.fspath(source),
         "source_details": src.provenance,
         "options": options,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": versions,
+        "versions": dict(_versions()),
     }
 
 
@@ -198,15 +301,49 @@ def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None)
     return True
 
 
-def _write_direct(client: Client, src: Source, root: zarr.Group, blocks: list, starts: list[int],
-                  chunk_rows: int, config: PrepareConfig, progress: bool) -> list | None:
+def _parallelism(client: Client) -> int:
+    """Tasks the cluster runs at once (its worker threads), at least one."""
+    return max(1, sum(client.nthreads().values()))
+
+
+def _run(client: Client, task: Any, args: list[tuple], blocks: list[list] | None, desc: str,
+         progress: bool) -> list:
+    """Run ``task(*args[t], *blocks[t])`` for every t and gather the results in order.
+
+    Without source blocks (the task reads its rows itself) the tasks are submitted as they
+    are, in one message: no graph to build and optimise first (milliseconds a build).
+    """
+    if blocks is None:
+        futures = client.map(task, *zip(*args, strict=True), pure=False)
+    else:
+        futures = client.compute([dask.delayed(task, pure=False)(*a, *b)
+                                  for a, b in zip(args, blocks, strict=True)])
+    return gather_with_progress(client, futures, desc, progress)
+
+
+def _group_blocks(reader: BlockReader | None, blocks: list, groups: list[range]
+                  ) -> list[list] | None:
+    """Per task, the source's delayed blocks of its chunks (array by array within a chunk),
+    or None where the tasks read their rows themselves."""
+    if reader is not None:
+        return None
+    return [[b[i] for i in group for b in blocks] for group in groups]
+
+
+def _write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockReader | None,
+                  blocks: list, starts: list[int], lengths: list[int], chunk_rows: int,
+                  config: PrepareConfig, progress: bool) -> list | None:
     """One pass: source chunk i becomes output chunk i. A source that may hold NaN/inf is
     checked chunk by chunk; if any chunk does, the arrays are dropped and None returned."""
     out = _create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
-    tasks = [dask.delayed(_write_chunk)(out, start, [b[i] for b in blocks], None, {},
-                                        not src.known_finite)
-             for i, start in enumerate(starts)]
-    results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+    # Bound once, in a partial: dask would otherwise walk the arrays and the reader in the
+    # arguments of every task, looking for collections (milliseconds per task).
+    write = functools.partial(_write_rows, out, reader, not src.known_finite)
+    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in src.specs.values()])
+    groups = plan_tasks(len(starts), chunk_bytes, _parallelism(client))
+    results = _run(client, write,
+                   [([(starts[i], starts[i] + lengths[i]) for i in group],) for group in groups],
+                   _group_blocks(reader, blocks, groups), "writing", progress)
     if all(r is not None for r in results):
         return results
     logger.info("source holds NaN or infinite values: cleaning in two passes")
@@ -215,7 +352,8 @@ def _write_direct(client: Client, src: Source, root: zarr.Group, blocks: list, s
     return None
 
 
-def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, blocks: list,
+def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
+                  reader: BlockReader | None, blocks: list,
                   starts: list[int], lengths: list[int], chunk_rows: int, scratch_store: StoreLike,
                   plan: SplitPlan | None, config: PrepareConfig, progress: bool
                   ) -> tuple[list, np.ndarray, dict | None]:
@@ -226,18 +364,25 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, bl
     scratch = {
         name: scratch_root.create_array(
             name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
-            chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0)
+            chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0,
+            # Chunk files side by side, not a directory each: fewer to make and remove.
+            chunk_key_encoding={"name": "default", "separator": "."})
         for name, spec in specs.items()
     }
     features = [n for n in names if specs[n].role == "features"]
     fit_name = features[0] if config.normalize and features else None
-    tasks = [
-        dask.delayed(_stage_chunk)(
-            scratch, start, plan.slice_for(start, start + n) if plan else None,
-            0, fit_name, not src.known_finite, *[blk[i] for blk in blocks])
-        for i, (start, n) in enumerate(zip(starts, lengths, strict=True))
-    ]
-    staged = gather_with_progress(client, client.compute(tasks), "staging", progress)
+    stage = functools.partial(_stage_chunks, scratch, 0, fit_name, not src.known_finite, reader)
+    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in specs.values()])
+    parallelism = _parallelism(client)
+    groups = plan_tasks(len(starts), chunk_bytes, parallelism)
+    args = []
+    for group in groups:
+        first, last = group[0], group[-1]
+        args.append(([(starts[i], starts[i] + lengths[i]) for i in group],
+                     plan.slice_for(starts[first], starts[last] + lengths[last]) if plan
+                     else None))
+    staged = [chunk for task in _run(client, stage, args, _group_blocks(reader, blocks, groups),
+                                     "staging", progress) for chunk in task]
     counts = np.stack([c for c, _ in staged])
     num_samples = int(counts.sum())
     if num_samples == 0:
@@ -260,10 +405,11 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group, bl
             "fitted_on": plan.names[0] if plan else "all"}}
     out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
     scratch_list = [scratch[n] for n in names]
-    tasks = [dask.delayed(_write_chunk, pure=False)(out, j * chunk_rows, scratch_list,
-                                                    pieces, norm)
-             for j, pieces in enumerate(_layout(counts, starts, chunk_rows))]
-    results = gather_with_progress(client, client.compute(tasks), "writing", progress)
+    write = functools.partial(_write_chunks, out, scratch_list, norm)
+    layout = _layout(counts, starts, chunk_rows)
+    results = _run(client, write, [([(j * chunk_rows, layout[j]) for j in group],)
+                                   for group in plan_tasks(len(layout), chunk_bytes, parallelism)],
+                   None, "writing", progress)
     return results, counts, normalization
 
 
@@ -277,19 +423,21 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_s
     names = list(specs)
     lengths = list(arrays[names[0]].chunks[0])
     starts = list(np.cumsum((0, *lengths[:-1])).tolist())
-    blocks = [arrays[name].to_delayed().ravel() for name in names]
+    reader = src.block_reader()
+    blocks = [] if reader is not None else [arrays[name].to_delayed().ravel() for name in names]
     plan = (SplitPlan.make(config.split, src.num_samples, config.seed) if config.split
             else None)
 
     results = None
     if plan is None and not config.normalize:
-        results = _write_direct(client, src, root, blocks, starts, chunk_rows, config, progress)
+        results = _write_direct(client, src, root, reader, blocks, starts, lengths, chunk_rows,
+                                config, progress)
     normalization, splits = None, {}
     num_samples = src.num_samples
     if results is None:
         results, counts, normalization = _write_staged(
-            client, source, src, root, blocks, starts, lengths, chunk_rows, scratch_store, plan,
-            config, progress)
+            client, source, src, root, reader, blocks, starts, lengths, chunk_rows,
+            scratch_store, plan, config, progress)
         num_samples = int(counts.sum())
         if plan is not None:
             edges = np.cumsum([0, *counts.sum(axis=0).tolist()]).tolist()

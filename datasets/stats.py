@@ -15,6 +15,26 @@ __all__ = ["ClassCounts", "Moments", "merge_all", "summary_of"]
 
 #: Integer targets with labels in [0, _MAX_CLASSES) get per-class counts.
 _MAX_CLASSES = 100_000
+#: Values per (widened) row in reductions, and per refill of the float64 deviations buffer.
+_WIDE = 512
+_BUFFER_VALUES = 32_768
+
+
+def _fold(partial: np.ndarray, group: int, combine: np.ufunc) -> np.ndarray:
+    """Combine ``group`` consecutive runs of features: (group * width,) -> (width,)."""
+    return combine.reduce(partial.reshape(group, -1), axis=0) if group > 1 else partial
+
+
+def _squared_deviations(flat: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """Sum over rows of (row - mean)**2 in float64, for (rows, width) ``flat``."""
+    rows, width = flat.shape
+    total = np.zeros(width)
+    step = max(1, _BUFFER_VALUES // max(width, 1))
+    buffer = np.empty((min(step, rows), width))
+    for a in range(0, rows, step):
+        deviations = np.subtract(flat[a : a + step], mean, out=buffer[: min(step, rows - a)])
+        total += np.einsum("ij,ij->j", deviations, deviations)
+    return total
 
 
 @dataclasses.dataclass(slots=True)
@@ -29,21 +49,48 @@ class Moments:
 
     @classmethod
     def of(cls, block: np.ndarray) -> Moments:
-        """Moments of a block of shape (rows, *feature_shape)."""
+        """Moments of a block of shape (rows, *feature_shape), exact in float64.
+
+        Two passes over the block (sum, then squared deviations from the mean) without a
+        float64 copy of it: a float64 buffer of a few hundred KiB is refilled per slice.
+        """
         block = np.asarray(block)
         shape = block.shape[1:]
         if len(block) == 0:
             inf = np.full(shape, np.inf)
             return cls(0, np.zeros(shape), np.zeros(shape), inf, -inf)
         flat = block.reshape(len(block), -1)
-        # Deviations in float64 (one copy, centred in place); einsum avoids a squared temporary.
-        values = flat.astype(np.float64)
-        mean = values.mean(axis=0)
-        values -= mean
-        m2 = np.einsum("ij,ij->j", values, values)
-        return cls(len(block), mean.reshape(shape), m2.reshape(shape),
-                   flat.min(axis=0).astype(np.float64).reshape(shape),
-                   flat.max(axis=0).astype(np.float64).reshape(shape))
+        rows, width = flat.shape
+        # Reductions along axis 0 of a narrow array run one short inner loop per row; viewing
+        # `group` consecutive rows as one wide row (rows/group, group * width) makes them
+        # vectorise, and the `group` partial results are folded at the end.
+        group = max(1, min(_WIDE // max(width, 1), rows))
+        body = rows - rows % group
+        wide = flat[:body].reshape(body // group, group * width)
+        rest = flat[body:]
+        total = _fold(np.add.reduce(wide, axis=0, dtype=np.float64), group, np.add)
+        total += np.add.reduce(rest, axis=0, dtype=np.float64)
+        mean = total / rows
+        with np.errstate(invalid="ignore"):  # inf - inf in a block with infinities: see finite
+            m2 = _fold(_squared_deviations(wide, np.tile(mean, group)), group, np.add)
+            m2 += _squared_deviations(rest, mean)
+        minimum = _fold(wide.min(axis=0), group, np.minimum)
+        maximum = _fold(wide.max(axis=0), group, np.maximum)
+        if len(rest):
+            minimum = np.minimum(minimum, rest.min(axis=0))
+            maximum = np.maximum(maximum, rest.max(axis=0))
+        return cls(rows, mean.reshape(shape), m2.reshape(shape),
+                   minimum.astype(np.float64).reshape(shape),
+                   maximum.astype(np.float64).reshape(shape))
+
+    @property
+    def finite(self) -> bool:
+        """Whether every value summarised is finite.
+
+        The float64 sum of float32 (or integer) values cannot overflow, so it is finite
+        exactly when no value is NaN or infinite: the check costs nothing beyond the moments.
+        """
+        return bool(np.isfinite(self.mean).all())
 
     def merge(self, other: Moments) -> Moments:
         if other.count == 0:

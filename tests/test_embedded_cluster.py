@@ -75,3 +75,34 @@ def test_a_client_the_user_made_wins(tmp_path):
     done, result = _run(tmp_path, "own")
     assert "started a local Dask cluster" not in done.stderr
     assert result["pids"] == [] and len(result["users"]) == 1
+
+
+
+def _malloc_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+
+
+@pytest.mark.parametrize("user", [None, "config", "environment"])
+def test_embedded_workers_reuse_chunk_sized_buffers_unless_the_user_set_malloc(
+        user, monkeypatch):
+    import dask
+    from distributed import Client
+
+    from dasktrain._cluster import WORKER_MALLOC_ENVIRONMENT, start_local_cluster
+
+    for key in WORKER_MALLOC_ENVIRONMENT:  # as a fresh process has them
+        monkeypatch.delenv(key, raising=False)
+    if user == "environment":
+        monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    stock = dask.config.get("distributed.nanny.pre-spawn-environ")
+    settings = {"distributed.nanny.pre-spawn-environ": {**stock, "MALLOC_TRIM_THRESHOLD_": 0}
+                } if user == "config" else {}
+    before = _malloc_environment()
+    with dask.config.set(settings), start_local_cluster(n_workers=1) as cluster, \
+            Client(cluster) as client:
+        (found,) = client.run(_malloc_environment).values()
+        if user is None:  # ours is put back: clusters started after this one never see it
+            assert _malloc_environment() == before
+    assert found == (WORKER_MALLOC_ENVIRONMENT if user is None
+                     else {"MALLOC_TRIM_THRESHOLD_": "0"})
+    assert dask.config.get("distributed.nanny.pre-spawn-environ") == stock

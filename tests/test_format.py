@@ -7,7 +7,7 @@ import pytest
 
 from dasktrain.datasets.format import chunk_rows_for, parse_size
 from dasktrain.datasets.splits import SplitPlan, parse_splits
-from dasktrain.datasets.stats import merge_all, summary_of
+from dasktrain.datasets.stats import Moments, merge_all, summary_of
 
 
 @pytest.mark.parametrize(("text", "expected"), [("4MiB", 4 * 2**20), ("8 MB", 8_000_000),
@@ -71,6 +71,30 @@ def test_statistics_merge_equals_numpy():
     np.testing.assert_allclose(merged.std, data.std(0), rtol=1e-10)
     np.testing.assert_array_equal(merged.minimum, data.min(0))
     np.testing.assert_array_equal(merged.maximum, data.max(0))
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (517, 3), (30_841, 32), (700, 8, 8), (9, 600)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_moments_of_one_block_equal_numpy_in_float64(shape, dtype):
+    # Far from zero, where a one-pass sum of squares would lose the variance.
+    data = (np.random.default_rng(1).standard_normal(shape) * 5 + 1e4).astype(dtype)
+    found = Moments.of(data)
+    exact = data.reshape(len(data), -1).astype(np.float64)
+    assert found.count == len(data) and found.mean.shape == data.shape[1:]
+    np.testing.assert_allclose(found.mean.ravel(), exact.mean(0), rtol=1e-13)
+    np.testing.assert_allclose(found.std.ravel(), exact.std(0), rtol=1e-9)
+    np.testing.assert_array_equal(found.minimum.ravel(), exact.min(0))
+    np.testing.assert_array_equal(found.maximum.ravel(), exact.max(0))
+    assert found.finite
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_moments_tell_whether_every_value_is_finite(bad):
+    data = np.random.default_rng(2).standard_normal((1000, 4)).astype(np.float32)
+    data[[3, 4], 2] = np.finfo(np.float32).max  # large but finite: the float64 sum holds it
+    assert Moments.of(data).finite
+    data[777, 1] = bad
+    assert not Moments.of(data).finite
 
 
 def test_class_counts_merge():

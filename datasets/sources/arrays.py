@@ -16,6 +16,7 @@ from dask.base import tokenize
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.base import (
     ArraySpec,
+    BlockReader,
     SourceOptions,
     check_numeric,
     register_suffix,
@@ -49,12 +50,28 @@ class _MappedArray:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        mapped = np.memmap(
+    def mapped(self) -> np.memmap:
+        """The whole array, mapped read-only (nothing is read until indexed)."""
+        return np.memmap(
             self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape,
             order="F" if self.fortran_order else "C",
         )
-        return np.array(mapped[key])
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return np.array(self.mapped()[key])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _MappedRows:
+    """Rows of every mapped array of a source, cast to their stored dtypes."""
+
+    arrays: dict[str, tuple[_MappedArray, np.dtype]]
+
+    def __call__(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        # Rows already of the stored dtype stay views of the mapping, not copies: the task
+        # reading them writes them within the same call (the mapping lives as long as they do).
+        return {name: np.asarray(m.mapped()[start:stop]).astype(dtype, copy=False)
+                for name, (m, dtype) in self.arrays.items()}
 
 
 def _read_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -201,6 +218,9 @@ class NumpySource:
             ).astype(self.specs[name].dtype)
             for name, m in self._mapped.items()
         }
+
+    def block_reader(self) -> BlockReader:
+        return _MappedRows({name: (m, self.specs[name].dtype) for name, m in self._mapped.items()})
 
 
 @register_suffix(".npy", ".npz")

@@ -15,6 +15,7 @@ from dasktrain.datasets.errors import SourceError
 
 __all__ = [
     "ArraySpec",
+    "BlockReader",
     "Source",
     "SourceOptions",
     "get_source",
@@ -57,6 +58,11 @@ class SourceOptions:
     place (compressed ``.npz`` members); the caller removes it afterwards."""
 
 
+#: Reads rows ``[start, stop)`` of every array of a source: ``{name: rows}``, dtypes as in
+#: the source's ``specs``. Picklable: it travels to the workers inside tasks.
+BlockReader = Callable[[int, int], dict[str, np.ndarray]]
+
+
 class Source(Protocol):
     """A source of samples: a schema known up front, then dask arrays chunked as asked."""
 
@@ -73,6 +79,16 @@ class Source(Protocol):
 
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         """Dask arrays chunked by ``chunk_rows`` along axis 0 (only), dtypes as in ``specs``."""
+        ...
+
+    def block_reader(self) -> BlockReader | None:
+        """A reader of any row range that needs no Dask graph, or None.
+
+        Preparation calls it inside the task that writes a chunk, so rows are read where
+        they are written: no task per source block and no transfer between workers. A
+        source whose chunks depend on one another (a table rechunked across partitions)
+        returns None and is read through :meth:`to_dask`.
+        """
         ...
 
 

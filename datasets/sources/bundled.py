@@ -35,5 +35,8 @@ class DigitsSource:
         return {"x": da.from_array(self._x, chunks=(chunk_rows, self._x.shape[1])),
                 "y": da.from_array(self._y, chunks=(chunk_rows,))}
 
+    def block_reader(self) -> None:
+        return None  # in memory and one chunk by default: reading through to_dask costs nothing
+
 
 register_builtin("digits")(DigitsSource)

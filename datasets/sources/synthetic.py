@@ -14,7 +14,12 @@ import dask.array as da
 import numpy as np
 
 from dasktrain.datasets.errors import SourceError
-from dasktrain.datasets.sources.base import ArraySpec, SourceOptions, register_builtin
+from dasktrain.datasets.sources.base import (
+    ArraySpec,
+    BlockReader,
+    SourceOptions,
+    register_builtin,
+)
 
 __all__ = ["SyntheticSource", "generate_rows"]
 
@@ -61,6 +66,18 @@ def generate_rows(recipe: _Recipe, start: int, stop: int, which: int) -> np.ndar
     joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
     offset = start - first * _BLOCK
     return joined[offset : offset + (stop - start)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RecipeRows:
+    """Rows of both arrays of a recipe (features, then targets)."""
+
+    recipe: _Recipe
+    names: tuple[str, str]
+
+    def __call__(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        return {name: generate_rows(self.recipe, start, stop, which)
+                for which, name in enumerate(self.names)}
 
 
 def _chunk(recipe: _Recipe, which: int, block_info: dict | None = None) -> np.ndarray:
@@ -114,6 +131,9 @@ class SyntheticSource:
                 name=f"synthetic-{name}-{self.recipe}-{chunk_rows}".replace(" ", ""),
             )
         return out
+
+    def block_reader(self) -> BlockReader:
+        return _RecipeRows(self.recipe, tuple(self.specs))
 
 
 for _kind in ("parabola", "regression", "classification"):

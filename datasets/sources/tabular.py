@@ -149,6 +149,9 @@ class TabularSource:
             out["y"] = parts[:, self._width].rechunk({0: chunk_rows}).astype(self.specs["y"].dtype)
         return out
 
+    def block_reader(self) -> None:
+        return None  # a chunk gathers rows from several partitions: read through to_dask
+
 
 @register_suffix(".csv", ".parquet", ".pq")
 def _tabular_source(source: str, options: SourceOptions) -> TabularSource:
