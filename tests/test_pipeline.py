@@ -50,7 +50,8 @@ def test_batches_match_the_stored_rows(client, indexed):
 
 
 def test_order_does_not_depend_on_cluster_size(client, indexed):
-    common = {"batch_size": 40, "seed": 3, "block_rows": 50, "shuffle_blocks": 3}
+    common = {"batch_size": 40, "seed": 3, "block_rows": 50, "shuffle_blocks": 3,
+              "placement": "anywhere"}
     here = _ids(dt.Pipeline(indexed, client=client, **common))
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster) as small:
@@ -150,7 +151,7 @@ def test_prefetch_bounds_blocks_and_cluster_memory(client, tmp_path):
     prefetch, block_rows = 3, 500
     window_bytes = block_rows * (16 * 4 + 8)
     pipe = dt.Pipeline(ds, batch_size=250, seed=0, prefetch=prefetch, block_rows=block_rows,
-                       client=client)
+                       client=client, placement="anywhere")
 
     def pipeline_bytes(dask_scheduler) -> int:
         return sum(ts.nbytes for key, ts in dask_scheduler.tasks.items()
@@ -257,7 +258,8 @@ def test_killed_worker_during_an_epoch_completes(tmp_path):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster) as own:
         ds = indexed_dataset(own, tmp_path, rows=20_000, chunk_rows=500)
-        pipe = dt.Pipeline(ds, batch_size=100, block_rows=500, seed=4, client=own, prefetch=4)
+        pipe = dt.Pipeline(ds, batch_size=100, block_rows=500, seed=4, client=own, prefetch=4,
+                           placement="anywhere")
         ids = []
         for i, (_, y) in enumerate(pipe):
             ids.append(y.numpy())
