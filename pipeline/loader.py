@@ -275,9 +275,14 @@ class Pipeline:
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The epoch's plan (pure: the same for every rank, worker count and run)."""
+        # Without a transform a window costs a read, whose size barely matters to when the
+        # first batch is ready: one window per group, no ramp (same order either way).
+        cut = self.transform is not None
         return EpochPlan(self.dataset.start, self.dataset.stop, self.block_rows,
                          self.batch_size, self.seed, self._epoch if epoch is None else epoch,
-                         self.shuffle, self.shuffle_blocks, self.drop_last, self.task_rows)
+                         self.shuffle, self.shuffle_blocks, self.drop_last,
+                         self.task_rows if cut else self.shuffle_blocks * self.block_rows,
+                         ramp=cut)
 
     def __len__(self) -> int:
         return len(self.plan().rank_batches(self.rank, self.world_size))

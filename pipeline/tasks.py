@@ -113,7 +113,8 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
               for n in parts[0]}
     order = plan.group_permutation(group)
     if order is not None:
-        arrays = {n: v[order] for n, v in arrays.items()}
+        # take: several times faster than fancy indexing along axis 0
+        arrays = {n: np.take(v, order, axis=0) for n, v in arrays.items()}
     with _GROUPS_LOCK:
         _GROUPS[key] = arrays
         while len(_GROUPS) > _GROUPS_KEEP:
