@@ -83,10 +83,6 @@ def _unit_rows(plan: EpochPlan, unit: Unit) -> int:
     return span.stop - span.start
 
 
-def _compute_here(context: EpochContext, unit: Unit) -> list[dict[str, np.ndarray]]:
-    """A unit computed in the consumer's process (``placement="consumer"``)."""
-    return assemble_batches(unit.pieces, unit.windows,
-                            *[load_window(context, w) for w in unit.windows])
 
 
 @dataclasses.dataclass
@@ -364,7 +360,7 @@ class Pipeline:
                 # other shuffles and cuts; units still finish in order, near enough.
                 self._here = concurrent.futures.ThreadPoolExecutor(
                     2, thread_name_prefix="dasktrain-read")
-            return self._here.submit(_compute_here, context, unit)
+            return self._here.submit(self._compute_here, context, unit)
         client = self.client
         key = (f"dasktrain-batches-{self._token}-{epoch}-{self.rank}of{self.world_size}-"
                f"{unit.window}")
@@ -385,7 +381,7 @@ class Pipeline:
         return client.submit(assemble_batches, unit.pieces, unit.windows,
                              *[windows[w] for w in unit.windows], key=key, **kwargs)
 
-    def _result(self, future: Future | concurrent.futures.Future, unit: Unit, plan: EpochPlan
+    def _result(self, future: Future, unit: Unit, plan: EpochPlan
                 ) -> list[dict[str, np.ndarray]]:
         """Wait for a unit with a deadline, checking that the cluster still has workers."""
         deadline = time.monotonic() + self.timeout
@@ -397,11 +393,6 @@ class Pipeline:
             except BlockFailed as exc:
                 raise PipelineError(exc.args[0]) from exc.original
             except (TimeoutError, OSError) as exc:
-                if not isinstance(future, Future):
-                    if time.monotonic() >= deadline:
-                        raise PipelineError(f"no data for {where} after {self.timeout:.0f}s "
-                                            "(read in this process)") from exc
-                    continue
                 if self.client.status not in ("running", "connecting"):
                     raise PipelineError(f"the Dask client closed while waiting for {where}") \
                         from exc
@@ -427,11 +418,21 @@ class Pipeline:
             tensors[name] = tensor.pin_memory() if self.device.type == "cuda" else tensor
         return tensors
 
-    def _fetch(self, future: Future | concurrent.futures.Future, unit: Unit, plan: EpochPlan
+    def _fetch(self, future: Future, unit: Unit, plan: EpochPlan
                ) -> list[dict[str, torch.Tensor]]:
         """Runs on a fetch thread: bring a unit's batches into this process as tensors, so
         that the consumer finds them ready instead of paying a round trip per unit."""
         return [self._host_tensors(arrays) for arrays in self._result(future, unit, plan)]
+
+    def _compute_here(self, context: EpochContext, unit: Unit) -> list[dict[str, torch.Tensor]]:
+        """A unit read, cut and turned into tensors on a read thread of this process
+        (``placement="consumer"``): one thread hop from the read to the consumer."""
+        try:
+            batches = assemble_batches(unit.pieces, unit.windows,
+                                       *[load_window(context, w) for w in unit.windows])
+        except BlockFailed as exc:
+            raise PipelineError(exc.args[0]) from exc.original
+        return [self._host_tensors(arrays) for arrays in batches]
 
     def _deliver(self, tensors: dict[str, torch.Tensor]) -> Batch:
         if self.device.type != "cpu":
@@ -479,7 +480,7 @@ class Pipeline:
         carried = list(ahead.submitted) if ahead is not None else []
         finished = False
         try:
-            context = EpochContext.pack(self._ref, plan, self.transform)
+            context = self._context(plan)
             for i, unit in enumerate(units):
                 if i < len(carried):
                     future = carried[i][1]
@@ -490,7 +491,10 @@ class Pipeline:
                                           windows, kwargs)
                     self.stats.add_in_flight(1)
                 self._forget_windows(windows, unit.window)
-                out.put((future, fetcher.submit(self._fetch, future, unit, plan)))
+                # Read here, the unit's future gives tensors; from the cluster, a fetch
+                # thread brings them in.
+                out.put((future, future if self.placement == "consumer"
+                         else fetcher.submit(self._fetch, future, unit, plan)))
             finished = True
         except BaseException as exc:  # handed to the consumer, which raises it
             out.put((None, exc))
@@ -506,7 +510,7 @@ class Pipeline:
         self._ahead_pending = ahead
         try:
             plan = self.plan(epoch)
-            context = EpochContext.pack(self._ref, plan, self.transform)
+            context = self._context(plan)
             for unit in plan.units(self.rank, self.world_size):
                 rows = _unit_rows(plan, unit)
                 if not self._take_slot(slots, rows, stop, finishing):
@@ -519,6 +523,12 @@ class Pipeline:
                 self.stats.add_in_flight(1)
         except Exception:  # only a head start: the next epoch submits the rest itself
             logger.debug("submitting epoch %d ahead failed", epoch, exc_info=True)
+
+    def _context(self, plan: EpochPlan) -> EpochContext:
+        if self.placement == "consumer":
+            return EpochContext.here(f"{self._token}-{plan.epoch}", self._ref, plan,
+                                     self.transform)
+        return EpochContext.pack(self._ref, plan, self.transform)
 
     def _drop_ahead(self) -> None:
         """Forget work submitted for an epoch that will not come next."""
@@ -582,7 +592,13 @@ class Pipeline:
                 if future is None:
                     raise PipelineError(f"submitting work for epoch {epoch} failed: "
                                         f"{fetched}") from fetched
-                batches = fetched.result()
+                try:
+                    # The fetch itself waits with a deadline; a read here has this one.
+                    batches = fetched.result(timeout=self.timeout)
+                except concurrent.futures.TimeoutError:
+                    blocks = [b for w in units[done].windows for b in plan.windows[w]]
+                    raise PipelineError(f"no data for block(s) {blocks} of epoch {epoch} "
+                                        f"after {self.timeout:.0f}s") from None
                 for tensors in batches[skip:]:
                     batch = self._deliver(tensors)
                     rows = len(next(iter(tensors.values())))

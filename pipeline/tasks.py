@@ -55,6 +55,9 @@ class EpochContext:
 
     digest: str
     blob: bytes
+    # Set for a context used in the process that made it (placement "consumer"): nothing
+    # to pickle or unpickle.
+    objects: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def pack(cls, ref: ArraysRef, plan: EpochPlan, transform: Transform | None
@@ -62,7 +65,15 @@ class EpochContext:
         blob = pickle.dumps((ref, plan, transform))
         return cls(hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
 
+    @classmethod
+    def here(cls, digest: str, ref: ArraysRef, plan: EpochPlan, transform: Transform | None
+             ) -> EpochContext:
+        """A context for this process only (never sent anywhere)."""
+        return cls(digest, b"", (ref, plan, transform))
+
     def open(self) -> tuple[ArraysRef, EpochPlan, Transform | None]:
+        if self.objects is not None:
+            return self.objects
         with _OPENED_LOCK:
             found = _OPENED.get(self.digest)
             if found is not None:
