@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from dask.base import tokenize
-from distributed import Client, Future, get_client, get_worker
+from distributed import Client, Future, get_client, get_worker, wait
 from distributed.client import FutureCancelledError
 
 from dasktrain._cluster import embedded_client, worker_info
@@ -389,7 +389,11 @@ class Pipeline:
         where = f"block(s) {blocks} of epoch {plan.epoch}"
         while True:
             try:
-                return future.result(timeout=min(2.0, max(deadline - time.monotonic(), 0.01)))
+                wait([future], timeout=min(2.0, max(deadline - time.monotonic(), 0.01)))
+                # Straight from the worker that holds it: through the scheduler, every
+                # batch would cost the scheduler's process (often this one) a copy and
+                # a hand-off.
+                return self.client.gather(future, direct=True)
             except BlockFailed as exc:
                 raise PipelineError(exc.args[0]) from exc.original
             except (TimeoutError, OSError) as exc:

@@ -107,11 +107,11 @@ def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int) -> dict[
     return out
 
 
-def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: int
-                ) -> dict[str, np.ndarray]:
-    """The group's blocks, read, concatenated and shuffled; kept for the group's next
-    windows, which usually run in the same process (a group is read once, not once per
-    window)."""
+def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: int,
+                keep: bool) -> dict[str, np.ndarray]:
+    """The group's blocks, read, concatenated and shuffled; with ``keep``, kept for the
+    group's next windows, which usually run in the same process (a group is read once, not
+    once per window)."""
     key = (context.digest, group)
     with _GROUPS_LOCK:
         found = _GROUPS.get(key)
@@ -126,6 +126,8 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
     if order is not None:
         # take: several times faster than fancy indexing along axis 0
         arrays = {n: np.take(v, order, axis=0) for n, v in arrays.items()}
+    if not keep:
+        return arrays
     with _GROUPS_LOCK:
         _GROUPS[key] = arrays
         while len(_GROUPS) > _GROUPS_KEEP:
@@ -178,7 +180,9 @@ def load_window(context: EpochContext, window: int) -> dict[str, np.ndarray]:
     """Read the window's group (shuffled), and transform the window's pieces of it, each
     with its own RNG."""
     ref, plan, transform = context.open()
-    group = _read_group(context, ref, plan, plan.window_spans[window].group)
+    span = plan.window_spans[window]
+    whole = span.start == 0 and span.stop == plan.group_size(span.group)
+    group = _read_group(context, ref, plan, span.group, keep=not whole)
     return window_arrays(ref, plan, transform, window, group)
 
 
