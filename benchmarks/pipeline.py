@@ -8,12 +8,14 @@ small numpy matmuls). The consumer's step is a simulated accelerator: ``time.sle
 Measured side by side in one run, medians of ``--repeats``:
 
 1. stall (time waiting for the next batch / epoch wall time, first batch included) and
-   samples/s of dasktrain.Pipeline, the same loop loading synchronously, and a torch
+   samples/s of dasktrain.Pipeline with its default settings (and, given ``--block-rows``,
+   ``--task-rows`` or ``--prefetch``, with those beside it), the same loop loading
+   synchronously, and a torch
    DataLoader with the same number of (persistent) worker processes reading the same Zarr
    chunks: the first and the second epoch of a fresh loader (medians over ``--repeats``
    fresh loaders), as a training run sees them when it starts and from then on;
-2. read efficiency: the pipeline with an identity transform and no step, against a plain
-   sequential zarr read of the same arrays in one process.
+2. read efficiency: the pipeline (default settings) with an identity transform and no step,
+   against a plain sequential zarr read of the same arrays in one process.
 
 Run: ``.venv/bin/python benchmarks/pipeline.py`` (``--costs 5 30 --repeats 3``; ``--quick``:
 C = 5 on 16,384 rows, once). ``dasktrain bench`` runs it among the others.
@@ -186,14 +188,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rows", type=int, default=ROWS,
                         help=f"rows of the dataset (default {ROWS:,}, the workload's)")
-    parser.add_argument("--block-rows", type=int, default=2048,
-                        help="rows per block task; 0 sizes them by --task-ms instead")
-    parser.add_argument("--task-ms", type=float, default=120.0,
-                        help="with --block-rows 0: transform work per block task, rounded to "
-                             "whole batches")
-    parser.add_argument("--prefetch", type=int, default=12)
-    parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
-                        help="fetch batches straight from the workers, not via the scheduler")
+    parser.add_argument("--block-rows", type=int,
+                        help="also measure a pipeline with these block rows")
+    parser.add_argument("--task-rows", type=int,
+                        help="also measure a pipeline with these task rows")
+    parser.add_argument("--prefetch", type=int,
+                        help="also measure a pipeline with this prefetch")
+    parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=False,
+                        help="fetch batches straight from the workers, not via the scheduler "
+                             "(default: as a plain Client does)")
     args = parse_with_quick(parser, argv, QUICK,
                             "seconds, not minutes: C = 5 on 16,384 rows, once (rough figures)")
     return args
@@ -229,32 +232,41 @@ def main() -> None:
             Client(cluster, direct_to_workers=args.direct) as client:
         ds = make_data(Path(tmp), client, args.rows)
         path = Path(tmp) / "w1.zarr"
+        tuned = {k: v for k, v in [("block_rows", args.block_rows),
+                                   ("task_rows", args.task_rows),
+                                   ("prefetch", args.prefetch)] if v is not None}
         for cost in args.costs:
             transform = CostlyTransform(cost, per_ms)
-            block_rows = args.block_rows or BATCH * max(1, round(args.task_ms / cost))
 
-            def pipeline(transform=transform, block_rows=block_rows, **options):
+            def pipeline(transform=transform, **options):
                 return dt.Pipeline(ds, BATCH, seed=0, transform=transform, client=client,
-                                   block_rows=block_rows, prefetch=args.prefetch, **options)
+                                   **options)
 
             with pipeline(prefetch_next_epoch=False) as warm:  # imports, first compiles
                 train_loop(warm)
-            mine = epochs(args.repeats, pipeline, client)
+            mine = [("dasktrain Pipeline, default settings", epochs(args.repeats, pipeline,
+                                                                    client))]
+            if tuned:
+                label = ", ".join(f"{k}={v}" for k, v in tuned.items())
+                mine.append((f"dasktrain Pipeline, {label}",
+                             epochs(args.repeats, lambda: pipeline(**tuned), client)))
             theirs = epochs(args.repeats, lambda t=transform: dataloader(path, t, args.workers),
                             client)
             synchronous = median_of([train_loop(sync_batches(path, transform, 0))
                                      for _ in range(args.repeats)])
-            for name, (first, later) in [("dasktrain Pipeline", mine),
+            for name, (first, later) in [*mine,
                                          (f"torch DataLoader, num_workers={args.workers}, "
                                           "persistent workers", theirs),
                                          ("synchronous loading (no prefetch)",
                                           (synchronous, synchronous))]:
                 assert first[2] == later[2] == args.rows, (name, first, later)
-                label = f"{name} (block_rows={block_rows})" if name.startswith("dask") else name
-                rows.append((cost, label, first[0], later[0], later[1]))
-        _, identity = epochs(args.repeats, lambda: dt.Pipeline(
-            ds, BATCH, seed=0, client=client, block_rows=CHUNK, prefetch=args.prefetch),
-            client, step=False)
+                rows.append((cost, name, first[0], later[0], later[1]))
+        reads = [("dasktrain Pipeline, default settings", {})]
+        if tuned:
+            reads.append((f"dasktrain Pipeline, {label}", tuned))
+        identity = [(name, epochs(args.repeats, lambda o=options: dt.Pipeline(
+            ds, BATCH, seed=0, client=client, **o), client, step=False)[1])
+            for name, options in reads]
 
         def plain_read():
             group = zarr.open_group(str(path), mode="r")
@@ -284,19 +296,19 @@ def main() -> None:
     print("| read efficiency (identity transform, no step) | samples/s | ratio |")
     print("|---|---:|---:|")
     print(f"| plain sequential zarr read, one process | {plain[1]:,.0f} | 1.00x |")
-    print(f"| dasktrain Pipeline, block_rows={CHUNK} | {identity[1]:,.0f} | "
-          f"{identity[1] / plain[1]:.2f}x |")
+    for name, (_, rate, _) in identity:
+        print(f"| {name} | {rate:,.0f} | {rate / plain[1]:.2f}x |")
     print()
     flags = [f"--costs {' '.join(f'{c:g}' for c in args.costs)}", f"--repeats {args.repeats}",
-             f"--workers {args.workers}",
-             (f"--block-rows {args.block_rows}" if args.block_rows
-              else f"--task-ms {args.task_ms:g}"),
-             f"--prefetch {args.prefetch}", "--direct" if args.direct else "--no-direct"]
+             f"--workers {args.workers}"]
+    flags += [f"--{k.replace('_', '-')} {v}" for k, v in tuned.items()]
+    if args.direct:
+        flags.append("--direct")
     if args.rows != ROWS:
         flags.append(f"--rows {args.rows}")
     print("command: .venv/bin/python benchmarks/pipeline.py " + " ".join(flags))
     if args.ratios_json:
-        write_ratios(args.ratios_json, ratios(rows, identity, plain))
+        write_ratios(args.ratios_json, ratios(rows, identity[0][1], plain))
 
 if __name__ == "__main__":
     main()

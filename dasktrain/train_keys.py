@@ -84,7 +84,7 @@ _DOCS: dict[str, dict[str, str]] = {
         "batch_size": "samples per batch PER WORKER",
         "seed": "seed of the epoch plans (shuffling)",
         "shuffle": "shuffle every epoch",
-        "prefetch": "windows of batches in flight per worker",
+        "prefetch": "blocks' worth of rows in flight per worker",
         "shuffle_blocks": "blocks whose rows are shuffled together",
         "block_rows": "rows per read block (default: the dataset's chunk rows)",
         "drop_last": "drop the last incomplete global batch",

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 from dask.base import tokenize
-from distributed import Client, Future, get_client, get_worker
+from distributed import Client, Future, get_client, get_worker, wait
 from distributed.client import FutureCancelledError
 
 from dasktrain._cluster import embedded_client, worker_info
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline.errors import PipelineError
-from dasktrain.pipeline.plan import EpochPlan, Unit
+from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit
 from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.tasks import (
     ArraysRef,
@@ -40,9 +40,49 @@ __all__ = ["Pipeline"]
 logger = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor] | torch.Tensor | dict[str, torch.Tensor]
-_PLACEMENTS = ("anywhere", "local")
+_PLACEMENTS = ("auto", "anywhere", "local", "consumer")
 _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
                "shuffle_blocks", "block_rows", "drop_last")
+
+
+class _Budget:
+    """Rows of prefetch still free: a unit takes its window's rows until it is used up.
+
+    Counted in rows rather than units so that the small windows that start an epoch (see
+    :class:`~dasktrain.pipeline.plan.EpochPlan`) do not take a whole slot each."""
+
+    def __init__(self, rows: int) -> None:
+        self._free = rows
+        self._cond = threading.Condition()
+
+    def acquire(self, rows: int, timeout: float) -> bool:
+        with self._cond:
+            if self._free < rows:
+                self._cond.wait(timeout)
+            if self._free >= rows:
+                self._free -= rows
+                return True
+            return False
+
+    def release(self, rows: int) -> None:
+        with self._cond:
+            self._free += rows
+            self._cond.notify_all()
+
+
+def _release(future: Future | concurrent.futures.Future) -> None:
+    """Let go of a unit's result: a Dask future is released, a local one cancelled."""
+    if isinstance(future, Future):
+        future.release()
+    else:
+        future.cancel()
+
+
+def _unit_rows(plan: EpochPlan, unit: Unit) -> int:
+    span = plan.window_spans[unit.window]
+    return span.stop - span.start
+
+
 
 
 @dataclasses.dataclass
@@ -52,12 +92,13 @@ class _Ahead:
     epoch: int
     rank: int
     world_size: int
-    submitted: list[tuple[Unit, Future]] = dataclasses.field(default_factory=list)
+    submitted: list[tuple[Unit, Any]] = dataclasses.field(default_factory=list)
     windows: dict[int, Future] = dataclasses.field(default_factory=dict)
+    rows: int = 0  # of the prefetch budget, held by the submitted units
 
     def release(self) -> None:
         for _, future in self.submitted:
-            future.release()
+            _release(future)
         for future in self.windows.values():
             future.release()
         self.submitted.clear()
@@ -87,18 +128,24 @@ class Pipeline:
         (seed, epoch, block). It runs in Dask tasks on the workers and must keep the number
         of rows. Pure functions only: it may run more than once for a block.
     prefetch
-        Windows of blocks in flight for this consumer: memory held for it is at most about
-        ``prefetch x shuffle_blocks x block_rows`` rows, however large the dataset.
+        Groups of blocks' worth of rows in flight for this consumer: memory held for it is
+        at most about ``prefetch x shuffle_blocks x block_rows`` rows, however large the
+        dataset.
     prefetch_next_epoch
         Once an epoch is all submitted, let the freed prefetch slots start on the next
         epoch, so that its first batches are ready when it begins (within the same
         ``prefetch`` bound). That work is dropped if the next iteration is another epoch
         or position (:meth:`set_epoch`, :meth:`load_state_dict`) or never comes.
     shuffle_blocks
-        Blocks per shuffle window; larger mixes better and costs more memory.
+        Blocks whose rows are shuffled together; larger mixes better and costs more memory.
     block_rows
-        Rows read and transformed by one task (default: the dataset's chunk rows). Size it
-        for about 0.1-1 s of work per task.
+        Rows of a block, the unit of the block permutation and of reading (default: the
+        dataset's chunk rows). One task transforms at most ``task_rows`` of them; the first
+        tasks of an epoch fewer (one piece of 256 rows or one batch, then doubling), so that
+        the first batch is ready after one piece of transform work.
+    task_rows
+        Most rows one task transforms (whole pieces of 256 rows, or of one batch when
+        larger). Neither the order nor the transformed values depend on it.
     drop_last
         Drop the last global batch if it is partial.
     rank, world_size
@@ -109,7 +156,11 @@ class Pipeline:
         The Dask client to use; default: the current one, else a LocalCluster owned by the
         pipeline (closed by :meth:`close`).
     placement
-        ``"anywhere"`` (default) or ``"local"``: run the tasks on the consumer's own worker.
+        Where blocks are read and transformed: ``"anywhere"`` on the cluster, ``"local"``
+        in tasks on the consumer's own worker, ``"consumer"`` in threads of the consuming
+        process (no Dask tasks, nothing to transfer). ``"auto"`` (default): ``"consumer"``
+        without a transform (reading and shuffling cost less than moving the rows from a
+        worker), ``"anywhere"`` with one.
     as_dict
         Yield dicts of tensors keyed by array name instead of ``(x, y)``.
     timeout
@@ -128,12 +179,13 @@ class Pipeline:
         prefetch_next_epoch: bool = True,
         shuffle_blocks: int = 1,
         block_rows: int | None = None,
+        task_rows: int = TASK_ROWS,
         drop_last: bool = False,
         rank: int = 0,
         world_size: int = 1,
         device: str | torch.device | None = None,
         client: Client | None = None,
-        placement: str = "anywhere",
+        placement: str = "auto",
         as_dict: bool = False,
         timeout: float = 300.0,
     ) -> None:
@@ -150,6 +202,8 @@ class Pipeline:
              f"shuffle_blocks must be >= 1, got {shuffle_blocks!r}"),
             (block_rows is None or (isinstance(block_rows, int) and block_rows > 0),
              f"block_rows must be a positive integer, got {block_rows!r}"),
+            (isinstance(task_rows, int) and task_rows > 0,
+             f"task_rows must be a positive integer, got {task_rows!r}"),
             (isinstance(world_size, int) and world_size >= 1,
              f"world_size must be >= 1, got {world_size!r}"),
             (isinstance(rank, int) and 0 <= rank < max(world_size, 1),
@@ -173,11 +227,14 @@ class Pipeline:
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self.shuffle_blocks = shuffle_blocks
         self.block_rows = block_rows or self.dataset.chunk_rows
+        self.task_rows = task_rows
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.placement = placement
+        self.placement = placement if placement != "auto" else \
+            ("consumer" if transform is None else "anywhere")
+        self._here: concurrent.futures.ThreadPoolExecutor | None = None
         self.as_dict = as_dict
         self.timeout = float(timeout)
         self.stats = PipelineStats()
@@ -196,7 +253,7 @@ class Pipeline:
         # rewritten at the same URL from the build a client may still hold results of.
         self._token = tokenize(self.dataset.url, self.dataset.identity, self.dataset.start,
                                self.dataset.stop, names, self.block_rows, self.batch_size, seed,
-                               shuffle, shuffle_blocks, drop_last, transform)
+                               shuffle, shuffle_blocks, drop_last, task_rows, transform)
 
     # -- the plan ----------------------------------------------------------------------
     @property
@@ -214,9 +271,14 @@ class Pipeline:
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The epoch's plan (pure: the same for every rank, worker count and run)."""
+        # Without a transform a window costs a read, whose size barely matters to when the
+        # first batch is ready: one window per group, no ramp (same order either way).
+        cut = self.transform is not None
         return EpochPlan(self.dataset.start, self.dataset.stop, self.block_rows,
                          self.batch_size, self.seed, self._epoch if epoch is None else epoch,
-                         self.shuffle, self.shuffle_blocks, self.drop_last)
+                         self.shuffle, self.shuffle_blocks, self.drop_last,
+                         self.task_rows if cut else self.shuffle_blocks * self.block_rows,
+                         ramp=cut)
 
     def __len__(self) -> int:
         return len(self.plan().rank_batches(self.rank, self.world_size))
@@ -261,6 +323,9 @@ class Pipeline:
         """Drop work submitted ahead (the embedded cluster, if used, stays for later
         calls)."""
         self._drop_ahead()
+        if self._here is not None:
+            self._here.shutdown(wait=False, cancel_futures=True)
+            self._here = None
 
     def __enter__(self) -> Pipeline:
         return self
@@ -269,6 +334,8 @@ class Pipeline:
         self.close()
 
     def _submit_kwargs(self) -> dict[str, Any]:
+        if self.placement == "consumer":
+            return {}
         if self.placement == "local":
             try:
                 return {"workers": [get_worker().address], "allow_other_workers": False}
@@ -285,7 +352,15 @@ class Pipeline:
         return {"workers": workers, "allow_other_workers": True} if workers else {}
 
     def _submit(self, context: EpochContext, epoch: int, stride: int, unit: Unit,
-                windows: dict[int, Future], kwargs: dict[str, Any]) -> Future:
+                windows: dict[int, Future], kwargs: dict[str, Any]
+                ) -> Future | concurrent.futures.Future:
+        if self.placement == "consumer":
+            if self._here is None:
+                # Two threads: one decodes (zarr and its codecs release the GIL) while the
+                # other shuffles and cuts; units still finish in order, near enough.
+                self._here = concurrent.futures.ThreadPoolExecutor(
+                    2, thread_name_prefix="dasktrain-read")
+            return self._here.submit(self._compute_here, context, unit)
         client = self.client
         key = (f"dasktrain-batches-{self._token}-{epoch}-{self.rank}of{self.world_size}-"
                f"{unit.window}")
@@ -314,7 +389,11 @@ class Pipeline:
         where = f"block(s) {blocks} of epoch {plan.epoch}"
         while True:
             try:
-                return future.result(timeout=min(2.0, max(deadline - time.monotonic(), 0.01)))
+                wait([future], timeout=min(2.0, max(deadline - time.monotonic(), 0.01)))
+                # Straight from the worker that holds it: through the scheduler, every
+                # batch would cost the scheduler's process (often this one) a copy and
+                # a hand-off.
+                return self.client.gather(future, direct=True)
             except BlockFailed as exc:
                 raise PipelineError(exc.args[0]) from exc.original
             except (TimeoutError, OSError) as exc:
@@ -349,6 +428,16 @@ class Pipeline:
         that the consumer finds them ready instead of paying a round trip per unit."""
         return [self._host_tensors(arrays) for arrays in self._result(future, unit, plan)]
 
+    def _compute_here(self, context: EpochContext, unit: Unit) -> list[dict[str, torch.Tensor]]:
+        """A unit read, cut and turned into tensors on a read thread of this process
+        (``placement="consumer"``): one thread hop from the read to the consumer."""
+        try:
+            batches = assemble_batches(unit.pieces, unit.windows,
+                                       *[load_window(context, w) for w in unit.windows])
+        except BlockFailed as exc:
+            raise PipelineError(exc.args[0]) from exc.original
+        return [self._host_tensors(arrays) for arrays in batches]
+
     def _deliver(self, tensors: dict[str, torch.Tensor]) -> Batch:
         if self.device.type != "cpu":
             tensors = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
@@ -358,14 +447,14 @@ class Pipeline:
         return x if self._targets_name is None else (x, tensors[self._targets_name])
 
     @staticmethod
-    def _take_slot(slots: threading.Semaphore, stop: threading.Event,
+    def _take_slot(slots: _Budget, rows: int, stop: threading.Event,
                    finishing: threading.Event | None = None) -> bool:
-        """Wait for a free prefetch slot. False once the consumer has stopped, or (given
+        """Wait for ``rows`` of free prefetch. False once the consumer has stopped, or (given
         ``finishing``: the epoch is consumed, nothing more will be freed) none is left."""
         while True:
-            if slots.acquire(timeout=0.1 if finishing is None else 0.01):
+            if slots.acquire(rows, timeout=0.1 if finishing is None else 0.01):
                 if stop.is_set():
-                    slots.release()
+                    slots.release(rows)
                     return False
                 return True
             if stop.is_set() or (finishing is not None and finishing.is_set()):
@@ -379,7 +468,7 @@ class Pipeline:
             del windows[w]
 
     def _feed(self, plan: EpochPlan, units: list[Unit], out: queue.Queue,
-              slots: threading.Semaphore, stop: threading.Event,
+              slots: _Budget, stop: threading.Event,
               fetcher: concurrent.futures.ThreadPoolExecutor, kwargs: dict[str, Any],
               ahead: _Ahead | None, finishing: threading.Event) -> None:
         """Feeder thread: submit units as slots free up, and have each fetched in order.
@@ -395,18 +484,21 @@ class Pipeline:
         carried = list(ahead.submitted) if ahead is not None else []
         finished = False
         try:
-            context = EpochContext.pack(self._ref, plan, self.transform)
+            context = self._context(plan)
             for i, unit in enumerate(units):
                 if i < len(carried):
                     future = carried[i][1]
                 else:
-                    if not self._take_slot(slots, stop):
+                    if not self._take_slot(slots, _unit_rows(plan, unit), stop):
                         return
                     future = self._submit(context, plan.epoch, plan.num_batches, unit,
                                           windows, kwargs)
                     self.stats.add_in_flight(1)
                 self._forget_windows(windows, unit.window)
-                out.put((future, fetcher.submit(self._fetch, future, unit, plan)))
+                # Read here, the unit's future gives tensors; from the cluster, a fetch
+                # thread brings them in.
+                out.put((future, future if self.placement == "consumer"
+                         else fetcher.submit(self._fetch, future, unit, plan)))
             finished = True
         except BaseException as exc:  # handed to the consumer, which raises it
             out.put((None, exc))
@@ -415,24 +507,32 @@ class Pipeline:
         if finished and self.prefetch_next_epoch:
             self._feed_ahead(plan.epoch + 1, slots, stop, finishing, kwargs)
 
-    def _feed_ahead(self, epoch: int, slots: threading.Semaphore, stop: threading.Event,
+    def _feed_ahead(self, epoch: int, slots: _Budget, stop: threading.Event,
                     finishing: threading.Event, kwargs: dict[str, Any]) -> None:
         """Submit ``epoch``'s first units while the consumer finishes the current one."""
         ahead = _Ahead(epoch, self.rank, self.world_size)
         self._ahead_pending = ahead
         try:
             plan = self.plan(epoch)
-            context = EpochContext.pack(self._ref, plan, self.transform)
+            context = self._context(plan)
             for unit in plan.units(self.rank, self.world_size):
-                if not self._take_slot(slots, stop, finishing):
+                rows = _unit_rows(plan, unit)
+                if not self._take_slot(slots, rows, stop, finishing):
                     return
                 future = self._submit(context, epoch, plan.num_batches, unit, ahead.windows,
                                       kwargs)
                 self._forget_windows(ahead.windows, unit.window)
                 ahead.submitted.append((unit, future))
+                ahead.rows += rows
                 self.stats.add_in_flight(1)
         except Exception:  # only a head start: the next epoch submits the rest itself
             logger.debug("submitting epoch %d ahead failed", epoch, exc_info=True)
+
+    def _context(self, plan: EpochPlan) -> EpochContext:
+        if self.placement == "consumer":
+            return EpochContext.here(f"{self._token}-{plan.epoch}", self._ref, plan,
+                                     self.transform)
+        return EpochContext.pack(self._ref, plan, self.transform)
 
     def _drop_ahead(self) -> None:
         """Forget work submitted for an epoch that will not come next."""
@@ -464,12 +564,13 @@ class Pipeline:
         stats = self.stats
         stats.start_epoch()
         out: queue.Queue = queue.Queue()
-        carried = len(ahead.submitted) if ahead is not None else 0
-        slots = threading.Semaphore(max(self.prefetch - carried, 0))
+        carried = ahead.rows if ahead is not None else 0
+        slots = _Budget(max(self.prefetch * self.shuffle_blocks * self.block_rows - carried, 0))
         stop, finishing = threading.Event(), threading.Event()
         # Resolved here, on the consumer's thread: inside a Dask task the worker's client and
         # address are only visible from the task's own thread, not from the feeder.
-        _ = self.client
+        if self.placement != "consumer":
+            _ = self.client
         kwargs = self._submit_kwargs()
         fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
         feeder = threading.Thread(target=self._feed, args=(plan, units, out, slots, stop,
@@ -478,6 +579,7 @@ class Pipeline:
         self._ahead_pending = None
         feeder.start()
         completed = False
+        done = 0  # units used up
         try:
             while True:
                 started = time.perf_counter()
@@ -494,7 +596,13 @@ class Pipeline:
                 if future is None:
                     raise PipelineError(f"submitting work for epoch {epoch} failed: "
                                         f"{fetched}") from fetched
-                batches = fetched.result()
+                try:
+                    # The fetch itself waits with a deadline; a read here has this one.
+                    batches = fetched.result(timeout=self.timeout)
+                except concurrent.futures.TimeoutError:
+                    blocks = [b for w in units[done].windows for b in plan.windows[w]]
+                    raise PipelineError(f"no data for block(s) {blocks} of epoch {epoch} "
+                                        f"after {self.timeout:.0f}s") from None
                 for tensors in batches[skip:]:
                     batch = self._deliver(tensors)
                     rows = len(next(iter(tensors.values())))
@@ -506,7 +614,8 @@ class Pipeline:
                 skip = 0
                 stats.blocks_done += 1
                 stats.add_in_flight(-1)
-                slots.release()
+                slots.release(_unit_rows(plan, units[done]))
+                done += 1
             completed = True
         finally:
             # A consumed epoch lets the feeder use the slots it freed for the next epoch
@@ -518,7 +627,7 @@ class Pipeline:
             while not out.empty():
                 item = out.get_nowait()
                 if item is not None and item[0] is not None:
-                    item[0].release()
+                    _release(item[0])
             stats.clear_in_flight()
             pending, self._ahead_pending = self._ahead_pending, None
             if pending is not None:

@@ -4,9 +4,19 @@ An epoch plan is a pure function of (sample range, block size, batch size, seed,
 shuffle settings). It fixes one *global* sequence of samples per epoch:
 
 1. the range is cut into blocks of ``block_rows`` rows, and the blocks are permuted;
-2. consecutive runs of ``shuffle_blocks`` permuted blocks form windows; rows are shuffled
-   within each window (a buffer shuffle of ``shuffle_blocks`` blocks);
-3. the windows, concatenated, are cut into global batches of ``batch_size``.
+2. consecutive runs of ``shuffle_blocks`` permuted blocks form *groups*; rows are shuffled
+   within each group (a buffer shuffle of ``shuffle_blocks`` blocks);
+3. the groups, concatenated, are cut into global batches of ``batch_size``.
+
+The transform sees each group's shuffled rows in *pieces* of ``piece_rows`` rows (a multiple
+of the batch size), each with an RNG seeded by (seed, epoch, group, piece): neither the order
+nor what the transform makes of a row depends on how the work is cut into tasks.
+
+Work is cut into *windows*: runs of whole pieces of one group, the rows one task reads and
+transforms. A window holds at most ``task_rows`` rows (whole pieces, at least one), so that
+a task stays short whatever the block size; with ``ramp``, the first windows of an epoch
+are smaller still (1, 2, 4, ... pieces) so that the first batch waits for one piece of
+transform work, not a whole group's.
 
 Rank ``r`` of ``world_size`` takes global batches ``r, r + W, r + 2W, ...``: every sample is
 seen once per epoch across ranks, and step ``k`` of W ranks together covers exactly global
@@ -22,7 +32,21 @@ import math
 
 import numpy as np
 
-__all__ = ["EpochPlan", "Piece", "Unit"]
+__all__ = ["EpochPlan", "Piece", "Unit", "Window"]
+
+#: Fewest rows the transform sees at a time (rounded up to whole batches).
+MIN_PIECE_ROWS = 256
+#: Default cap on the rows of one window (one task's work).
+TASK_ROWS = 2048
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Window:
+    """Positions ``[start, stop)`` of group ``group``'s shuffled rows: one task's work."""
+
+    group: int
+    start: int
+    stop: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,11 +84,13 @@ class EpochPlan:
     shuffle: bool = True
     shuffle_blocks: int = 1
     drop_last: bool = False
+    task_rows: int = TASK_ROWS
+    ramp: bool = True
 
     def __post_init__(self) -> None:
         if self.stop <= self.start:
             raise ValueError(f"empty sample range [{self.start}, {self.stop})")
-        for name in ("block_rows", "batch_size", "shuffle_blocks"):
+        for name in ("block_rows", "batch_size", "shuffle_blocks", "task_rows"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.epoch < 0 or self.seed < 0:
@@ -95,36 +121,65 @@ class EpochPlan:
         return a, min(a + self.block_rows, self.stop)
 
     @functools.cached_property
-    def windows(self) -> list[tuple[int, ...]]:
-        """Block ids of each window, in epoch order."""
+    def groups(self) -> list[tuple[int, ...]]:
+        """Block ids of each group (rows shuffled together), in epoch order."""
         order = self.block_order.tolist()
         k = self.shuffle_blocks
         return [tuple(order[i : i + k]) for i in range(0, len(order), k)]
 
+    def group_size(self, group: int) -> int:
+        return sum(b - a for a, b in map(self.block_range, self.groups[group]))
+
+    @property
+    def piece_rows(self) -> int:
+        """Rows the transform sees at a time (the last piece of a group may be shorter)."""
+        return self.batch_size * math.ceil(MIN_PIECE_ROWS / self.batch_size)
+
+    def group_permutation(self, group: int) -> np.ndarray | None:
+        """Row order inside a group (None: kept as read)."""
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed, self.epoch, 1, group]).permutation(
+            self.group_size(group))
+
+    def piece_seed(self, group: int, piece: int) -> list[int]:
+        """Seed of the RNG the transform gets for piece ``piece`` of ``group``."""
+        return [self.seed, self.epoch, 2, group, piece]
+
+    @functools.cached_property
+    def window_spans(self) -> list[Window]:
+        """The windows, in epoch order: whole pieces of one group each, growing from one
+        piece (with ``ramp``) to ``task_rows``."""
+        piece = self.piece_rows
+        cap = max(1, self.task_rows // piece)
+        size = 1 if self.ramp else cap
+        spans = []
+        for group in range(len(self.groups)):
+            n, at = self.group_size(group), 0
+            while at < n:
+                stop = min(at + size * piece, n)
+                spans.append(Window(group, at, stop))
+                at, size = stop, min(size * 2, cap)
+        return spans
+
+    @functools.cached_property
+    def windows(self) -> list[tuple[int, ...]]:
+        """Block ids each window reads (all of its group's), in epoch order."""
+        return [self.groups[span.group] for span in self.window_spans]
+
     @functools.cached_property
     def window_offsets(self) -> np.ndarray:
         """Offset of each window in the global sequence, plus the total at the end."""
-        sizes = [sum(b - a for a, b in map(self.block_range, w)) for w in self.windows]
+        sizes = [span.stop - span.start for span in self.window_spans]
         return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-    def window_permutation(self, window: int) -> np.ndarray | None:
-        """Row order inside a window (None: kept as read)."""
-        if not self.shuffle:
-            return None
-        size = int(self.window_offsets[window + 1] - self.window_offsets[window])
-        return np.random.default_rng([self.seed, self.epoch, 1, window]).permutation(size)
-
-    def block_seed(self, block: int) -> list[int]:
-        """Seed of the RNG a transform gets for ``block`` in this epoch."""
-        return [self.seed, self.epoch, 2, block]
 
     def sample_order(self) -> np.ndarray:
         """Absolute row of every position of the global sequence (O(samples) memory: for
         tests and inspection, never needed to iterate)."""
         parts = []
-        for w, blocks in enumerate(self.windows):
+        for g, blocks in enumerate(self.groups):
             rows = np.concatenate([np.arange(*self.block_range(b)) for b in blocks])
-            order = self.window_permutation(w)
+            order = self.group_permutation(g)
             parts.append(rows if order is None else rows[order])
         return np.concatenate(parts)
 

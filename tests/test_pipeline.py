@@ -50,7 +50,8 @@ def test_batches_match_the_stored_rows(client, indexed):
 
 
 def test_order_does_not_depend_on_cluster_size(client, indexed):
-    common = {"batch_size": 40, "seed": 3, "block_rows": 50, "shuffle_blocks": 3}
+    common = {"batch_size": 40, "seed": 3, "block_rows": 50, "shuffle_blocks": 3,
+              "placement": "anywhere"}
     here = _ids(dt.Pipeline(indexed, client=client, **common))
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster) as small:
@@ -150,7 +151,7 @@ def test_prefetch_bounds_blocks_and_cluster_memory(client, tmp_path):
     prefetch, block_rows = 3, 500
     window_bytes = block_rows * (16 * 4 + 8)
     pipe = dt.Pipeline(ds, batch_size=250, seed=0, prefetch=prefetch, block_rows=block_rows,
-                       client=client)
+                       client=client, placement="anywhere")
 
     def pipeline_bytes(dask_scheduler) -> int:
         return sum(ts.nbytes for key, ts in dask_scheduler.tasks.items()
@@ -257,7 +258,8 @@ def test_killed_worker_during_an_epoch_completes(tmp_path):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster) as own:
         ds = indexed_dataset(own, tmp_path, rows=20_000, chunk_rows=500)
-        pipe = dt.Pipeline(ds, batch_size=100, block_rows=500, seed=4, client=own, prefetch=4)
+        pipe = dt.Pipeline(ds, batch_size=100, block_rows=500, seed=4, client=own, prefetch=4,
+                           placement="anywhere")
         ids = []
         for i, (_, y) in enumerate(pipe):
             ids.append(y.numpy())
@@ -362,3 +364,61 @@ def test_blocks_run_in_the_order_they_are_consumed(client, indexed):
     for runs in started.values():
         windows = [w for _, w in sorted(runs)]
         assert windows == sorted(windows)
+
+
+@pytest.fixture(scope="module")
+def wide(client, tmp_path_factory):
+    # Chunks of 1,000 rows: several 256-row pieces per block, so each epoch ramps up.
+    return indexed_dataset(client, tmp_path_factory.mktemp("wide"), rows=3001,
+                           chunk_rows=1000)
+
+
+def _xy(pipe: dt.Pipeline) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(x.numpy(), y.numpy()) for x, y in pipe]
+
+
+def _assert_same(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for (x1, y1), (x2, y2) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(y1, y2)
+        np.testing.assert_array_equal(x1, x2)
+
+
+def test_values_do_not_depend_on_how_work_is_cut_or_where_it_runs(client, wide):
+    common = {"batch_size": 64, "seed": 6, "transform": _noise, "client": client}
+    pipe = dt.Pipeline(wide, **common)
+    sizes = [s.stop - s.start for s in pipe.plan().window_spans]
+    assert sizes[:3] == [256, 512, 232]  # one piece first, doubling, cut at the block's end
+    base = _xy(pipe)
+    assert sorted(np.concatenate([y for _, y in base]).tolist()) == list(range(3001))
+    for other in ({"task_rows": 256}, {"task_rows": 5000}, {"placement": "consumer"}):
+        _assert_same(_xy(dt.Pipeline(wide, **common, **other)), base)
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 6])
+def test_resume_mid_ramp_yields_the_same_batches(client, wide, stop_after):
+    common = {"batch_size": 64, "seed": 6, "transform": _noise, "client": client, "rank": 1,
+              "world_size": 2}
+    uninterrupted = _xy(dt.Pipeline(wide, **common))
+    pipe = dt.Pipeline(wide, **common)
+    it = iter(pipe)
+    for _ in range(stop_after):
+        next(it)
+    state = pipe.state_dict()
+    it.close()
+    resumed = dt.Pipeline(wide, **common)
+    resumed.load_state_dict(state)
+    _assert_same(_xy(resumed), uninterrupted[stop_after:])
+
+
+def test_without_a_transform_blocks_are_read_in_the_consumer(client, indexed):
+    with get_task_stream(client) as stream:
+        pipe = dt.Pipeline(indexed, batch_size=100, seed=2, client=client,
+                           prefetch_next_epoch=False)
+        mine = _ids(pipe)
+    assert pipe.placement == "consumer"
+    assert not [t for t in stream.data if str(t["key"]).startswith("dasktrain-")]
+    there = _ids(dt.Pipeline(indexed, batch_size=100, seed=2, client=client,
+                             placement="anywhere"))
+    for a, b in zip(mine, there, strict=True):
+        np.testing.assert_array_equal(a, b)

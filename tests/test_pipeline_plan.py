@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dasktrain.pipeline.plan import EpochPlan
+from dasktrain.pipeline.plan import EpochPlan, Window
 
 
 def _rank_rows(plan: EpochPlan, rank: int, world: int) -> list[np.ndarray]:
@@ -111,3 +111,54 @@ def test_plan_refuses_bad_settings(kwargs, message):
 def test_rank_must_be_in_world():
     with pytest.raises(ValueError, match="rank 3"):
         EpochPlan(0, 100, 10, 5, seed=0, epoch=0).rank_batches(3, 3)
+
+
+# Blocks of several pieces: the windows ramp up, and groups are cut into several windows.
+RAMP_SETTINGS = list(itertools.product(
+    [(5, 3003), (0, 4096)],
+    [(1000, 1), (700, 2), (4096, 1)],  # (block rows, shuffle blocks)
+    [10, 64],                          # batch size: pieces of 260 or 256 rows
+    [300, 2048],                       # task rows
+))
+
+
+@pytest.mark.parametrize(("span", "blocks", "batch", "task_rows"), RAMP_SETTINGS)
+def test_ramp_windows_cover_each_group_in_order_and_keep_every_guarantee(span, blocks, batch,
+                                                                         task_rows):
+    block_rows, shuffle_blocks = blocks
+    common = {"seed": 4, "epoch": 1, "shuffle_blocks": shuffle_blocks}
+    plan = EpochPlan(*span, block_rows, batch, task_rows=task_rows, **common)
+    piece = plan.piece_rows
+    assert piece % batch == 0 and piece >= 256
+    spans = plan.window_spans
+    # The first window is one piece (or the whole first group when smaller): the first
+    # batch waits for one piece of transform work.
+    assert spans[0] == Window(0, 0, min(piece, plan.group_size(0)))
+    cap = max(1, task_rows // piece) * piece
+    for g in range(len(plan.groups)):
+        mine = [s for s in spans if s.group == g]
+        assert mine[0].start == 0 and mine[-1].stop == plan.group_size(g)
+        assert all(a.stop == b.start for a, b in itertools.pairwise(mine))
+        assert all(s.start % piece == 0 and 0 < s.stop - s.start <= cap for s in mine)
+    sizes = [s.stop - s.start for s in spans]
+    assert sizes[:2] == sorted(sizes[:2])  # growing at first
+    # Same order as without a ramp and with any task size: the cut is work, not order.
+    flat = EpochPlan(*span, block_rows, batch, task_rows=10**6, ramp=False, **common)
+    assert len(flat.window_spans) == len(flat.groups)
+    np.testing.assert_array_equal(plan.sample_order(), flat.sample_order())
+    order = plan.sample_order()
+    expected = [order[b * batch:(b + 1) * batch] for b in range(plan.num_batches)]
+    for world in (1, 2, 3):
+        per_rank = [_rank_rows(plan, r, world) for r in range(world)]
+        interleaved = [per_rank[r][k] for k in range(len(per_rank[0])) for r in range(world)
+                       if k < len(per_rank[r])]
+        assert len(interleaved) == len(expected)
+        for got, want in zip(interleaved, expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_ramp_grows_by_doubling_to_the_task_size():
+    plan = EpochPlan(0, 3 * 8192, 8192, 256, seed=0, epoch=0)  # the defaults of W1
+    sizes = [s.stop - s.start for s in plan.window_spans]
+    # The first group: one piece, doubling to 2,048 rows, and what is left; then 2,048s.
+    assert sizes == [256, 512, 1024, 2048, 2048, 2048, 256] + [2048] * 8

@@ -177,6 +177,8 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
     return {"worker": worker, "epoch": epoch, "address": address, "steps": steps - start,
             "samples": samples, "compute_s": compute, "exchange_s": wait,
             "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
+            # Of that wait, the epoch's first batch: the pipeline starting, not keeping up.
+            "first_batch_s": pipe.stats.wait_per_batch[0] if pipe.stats.wait_per_batch else 0.0,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
             "exchange_via": handle.via, "pushes_in_buckets": in_buckets}
