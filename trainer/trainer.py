@@ -563,6 +563,8 @@ class Trainer:
                 {"worker": int(r["worker"]), "samples": int(r["samples"]),
                  "stall": float(r["stall"]),
                  "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
+                 # Of the stall, the wait for the epoch's first batch (the pipeline starting).
+                 "first_batch_s": float(r.get("first_batch_s", 0.0)),
                  # Pushes sent bucket by bucket during backward (direct channel only).
                  "pushes_in_buckets": int(r.get("pushes_in_buckets", 0))}
                 for r in sorted(reports, key=lambda r: r["worker"])],
