@@ -4,11 +4,7 @@ and whole trainings whose gradients left in many buckets equal one process."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,8 +13,9 @@ import torch
 import dasktrain as dt
 from dasktrain.trainer.arithmetic import Lease
 from dasktrain.trainer.buckets import GradientReadiness, bucket_order
-from dasktrain.trainer.channel import ChannelClient, ChannelServer
+from dasktrain.trainer.channel import ChannelClient
 from dasktrain.trainer.flat import FlatLayout, FlatModel
+from tests.common.channel import serve_channel
 from tests.common.training import flat_parameters, mse, one_process
 
 
@@ -125,20 +122,8 @@ async def _echo(worker, version, grads, count, loss, position) -> Lease:
     return Lease(grads.copy(), version + 1, None)
 
 
-@contextlib.contextmanager
-def _server() -> Iterator[ChannelServer]:
-    server = ChannelServer(_echo, SIZE, order=ORDER)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        asyncio.run_coroutine_threadsafe(server.start("127.0.0.1"), loop).result(10)
-        yield server
-    finally:
-        asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+def _server():
+    return serve_channel(_echo, SIZE, order=ORDER)
 
 
 @pytest.mark.parametrize("marks", [[0, 1, 2], [2, 1, 0], [1], []])

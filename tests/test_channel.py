@@ -7,15 +7,12 @@ own."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import select
 import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,6 +24,7 @@ from dasktrain.trainer.channel import _HELLO, _PUSH, ChannelClient, ChannelServe
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import ParameterHolder
+from tests.common.channel import serve_channel
 from tests.common.training import zeros, zeros_holder
 
 FEATURES = 1000
@@ -288,21 +286,9 @@ async def _echo(worker: int, version: int, grads: np.ndarray | None, count: int,
                  None)
 
 
-@contextlib.contextmanager
-def _server(idle_timeout: float = 600.0, size: int = SIZE) -> Iterator[ChannelServer]:
-    """A :class:`ChannelServer` of ``size`` values on its own thread's event loop."""
-    server = ChannelServer(_echo, size, idle_timeout=idle_timeout)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        asyncio.run_coroutine_threadsafe(server.start("127.0.0.1"), loop).result(10)
-        yield server
-    finally:
-        asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+def _server(idle_timeout: float = 600.0, size: int = SIZE):
+    """A :class:`ChannelServer` of ``size`` values answering with :func:`_echo`."""
+    return serve_channel(_echo, size, idle_timeout)
 
 
 def _hello(server: ChannelServer, worker: int = 0) -> socket.socket:

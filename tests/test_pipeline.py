@@ -104,19 +104,26 @@ def test_world_size_may_change_between_epochs(client, indexed):
     assert sorted(np.concatenate(ranks).tolist()) == list(range(1003))
 
 
-@pytest.mark.parametrize("stop_after", [1, 7, 15])
-def test_resume_mid_epoch_yields_the_same_batches(client, indexed, stop_after):
-    common = {"batch_size": 24, "seed": 11, "block_rows": 64, "shuffle_blocks": 2,
-              "client": client, "rank": 1, "world_size": 2}
-    uninterrupted = _ids(dt.Pipeline(indexed, **common))
-    pipe = dt.Pipeline(indexed, **common)
+def _resumed_after(dataset, options: dict, stop_after: int) -> tuple[dt.Pipeline, dict]:
+    """A fresh pipeline resumed from the state of another stopped after ``stop_after``
+    batches, and that state."""
+    pipe = dt.Pipeline(dataset, **options)
     it = iter(pipe)
     for _ in range(stop_after):
         next(it)
     state = pipe.state_dict()
     it.close()
-    resumed = dt.Pipeline(indexed, **common)
+    resumed = dt.Pipeline(dataset, **options)
     resumed.load_state_dict(state)
+    return resumed, state
+
+
+@pytest.mark.parametrize("stop_after", [1, 7, 15])
+def test_resume_mid_epoch_yields_the_same_batches(client, indexed, stop_after):
+    common = {"batch_size": 24, "seed": 11, "block_rows": 64, "shuffle_blocks": 2,
+              "client": client, "rank": 1, "world_size": 2}
+    uninterrupted = _ids(dt.Pipeline(indexed, **common))
+    resumed, state = _resumed_after(indexed, common, stop_after)
     rest = _ids(resumed)
     assert len(rest) == len(uninterrupted) - stop_after
     for a, b in zip(rest, uninterrupted[stop_after:], strict=True):
@@ -400,14 +407,7 @@ def test_resume_mid_ramp_yields_the_same_batches(client, wide, stop_after):
     common = {"batch_size": 64, "seed": 6, "transform": _noise, "client": client, "rank": 1,
               "world_size": 2}
     uninterrupted = _xy(dt.Pipeline(wide, **common))
-    pipe = dt.Pipeline(wide, **common)
-    it = iter(pipe)
-    for _ in range(stop_after):
-        next(it)
-    state = pipe.state_dict()
-    it.close()
-    resumed = dt.Pipeline(wide, **common)
-    resumed.load_state_dict(state)
+    resumed, _ = _resumed_after(wide, common, stop_after)
     _assert_same(_xy(resumed), uninterrupted[stop_after:])
 
 
