@@ -288,8 +288,8 @@ class ChannelServer:
                     continue
                 grads = None
                 if nbytes >= 0:
-                    await self._bulk(loop, _recv_slices, sock,
-                                     [view[a * 4:b * 4] for a, b in self.order], idle)
+                    await self._bulk(loop, sock, [view[a * 4:b * 4] for a, b in self.order],
+                                     idle, receive=True)
                     grads = payload
                 try:
                     lease = await self._push(worker, version, grads, count, loss,
@@ -304,7 +304,7 @@ class ChannelServer:
                 try:
                     out = memoryview(lease.array).cast("B")
                     await _send(loop, sock, idle, _REPLY.pack(_OK, lease.version, out.nbytes))
-                    await self._bulk(loop, _send_slices, sock, [out], idle)
+                    await self._bulk(loop, sock, [out], idle, receive=False)
                 finally:
                     # Sent (or failed): the holder may write to that buffer again.
                     del out
@@ -321,9 +321,8 @@ class ChannelServer:
             self._sockets.discard(sock)
             sock.close()
 
-    async def _bulk(self, loop: asyncio.AbstractEventLoop,
-                    move: Callable[[socket.socket, list[memoryview], float], None],
-                    sock: socket.socket, views: list[memoryview], idle: float) -> None:
+    async def _bulk(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                    views: list[memoryview], idle: float, *, receive: bool) -> None:
         """Move a payload's bytes. Large ones go on a thread of the channel's own, with the
         socket blocking: a tight loop of system calls moves them at the speed of the
         transport, where each step through the event loop would cost a wake-up per
@@ -331,15 +330,16 @@ class ChannelServer:
         this socket, and :meth:`close` ends a transfer by shutting it."""
         if sum(v.nbytes for v in views) < _BULK_BYTES:
             for view in views:
-                if move is _recv_slices:
+                if receive:
                     await _recv_into(loop, sock, view, idle)
                 else:
-                    await loop.sock_sendall(sock, view)
+                    await _send(loop, sock, idle, view)
             return
         if self._movers is None:
             self._movers = concurrent.futures.ThreadPoolExecutor(
                 _MOVERS, thread_name_prefix="dasktrain-channel")
         try:
+            move = _recv_slices if receive else _send_slices
             await loop.run_in_executor(self._movers, move, sock, views, idle)
         finally:
             with contextlib.suppress(OSError):  # closed meanwhile: the caller sees why
@@ -509,8 +509,6 @@ class ChannelClient:
     def push(self, version: int, grads: np.ndarray | None, count: int, loss: float,
              position: tuple[int, int]) -> PendingPush:
         """Send one push; the reply is read by the returned object's ``result``."""
-        if self._pending:
-            raise TrainerError("a push is already waiting for its reply on this channel")
         if grads is not None and (not isinstance(grads, np.ndarray) or grads.ndim != 1
                                   or grads.dtype != np.float32):
             raise ValueError(f"a push carries a 1-D float32 array, got "
@@ -535,8 +533,6 @@ class ChannelClient:
         :meth:`OutgoingPush.ready`, by a thread of this channel; :meth:`OutgoingPush.finish`
         sends the rest and returns the reply's :class:`PendingPush`. The caller must not
         write to a bucket after marking it ready."""
-        if self._pending:
-            raise TrainerError("a push is already waiting for its reply on this channel")
         size = self.order_size
         if payload.dtype != np.float32 or payload.shape != (size,) or \
                 not payload.flags.c_contiguous:
@@ -553,6 +549,8 @@ class ChannelClient:
     def _start(self, version: int, count: int, loss: float, position: tuple[int, int],
                nbytes: int) -> _Wait:
         """Reconnect if the holder may have ended an idle connection; send the header."""
+        if self._pending:
+            raise TrainerError("a push is already waiting for its reply on this channel")
         if time.monotonic() - self._last_push > self._stale_after:
             self.close()
             try:

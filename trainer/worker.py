@@ -151,18 +151,18 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
                 totals.add({"loss": loss_value, **values}, count)
             else:  # float16 overflow: this batch is skipped (the scale is lowered)
                 count = 0
-        if outgoing is not None:  # on its way since backward began: send the rest
-            t1 = time.perf_counter()
-            compute += t1 - t0
+        # A gradient on its way since backward began needs no asking what to push.
+        push = None if outgoing is not None else \
+            strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
+        t1 = time.perf_counter()
+        compute += t1 - t0
+        if outgoing is not None:  # send the rest
             future = outgoing.finish()
             in_buckets += 1
+        elif push is None:  # a local step: nothing to exchange yet
+            batch = take(step + 1) if step + 1 < steps else None
+            continue
         else:
-            push = strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
-            t1 = time.perf_counter()
-            compute += t1 - t0
-            if push is None:  # a local step: nothing to exchange yet
-                batch = take(step + 1) if step + 1 < steps else None
-                continue
             future = handle.push(worker, version, push.payload, push.count, push.loss,
                                  (epoch, step + 1))
         batch = take(step + 1) if step + 1 < steps else None  # overlaps the exchange
