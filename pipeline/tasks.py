@@ -141,13 +141,14 @@ _GROUPS_LOCK = threading.Lock()
 _GROUPS_KEEP = 2  # the group being cut into windows, and the next one
 
 
-def window_arrays(ref: ArraysRef, plan: EpochPlan, transform: Transform | None,
-                  window: int, group_arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def window_arrays(plan: EpochPlan, transform: Transform | None, window: int,
+                  group_arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A window's rows of its (read, shuffled) group, transformed piece by piece."""
     span = plan.window_spans[window]
     if transform is None:
         return {n: v[span.start : span.stop] for n, v in group_arrays.items()}
     piece_rows = plan.piece_rows
+    where = _where(plan, span.group)
     outs = []
     for a in range(span.start, span.stop, piece_rows):
         b = min(a + piece_rows, span.stop)
@@ -159,10 +160,10 @@ def window_arrays(ref: ArraysRef, plan: EpochPlan, transform: Transform | None,
             result = transform(arrays, rng)
         except Exception as exc:
             raise BlockFailed(
-                f"transform failed on {_where(plan, span.group)} of epoch {plan.epoch}: "
+                f"transform failed on {where} of epoch {plan.epoch}: "
                 f"{type(exc).__name__}: {exc} (piece {piece}: rows {a}:{b} of the shuffled "
                 "block(s))", exc) from None
-        outs.append(_check_transformed(result, b - a, _where(plan, span.group), plan.epoch))
+        outs.append(_check_transformed(result, b - a, where, plan.epoch))
     if len(outs) == 1:
         return outs[0]
     return {n: np.concatenate([o[n] for o in outs]) for n in outs[0]}
@@ -183,7 +184,7 @@ def load_window(context: EpochContext, window: int) -> dict[str, np.ndarray]:
     span = plan.window_spans[window]
     whole = span.start == 0 and span.stop == plan.group_size(span.group)
     group = _read_group(context, ref, plan, span.group, keep=not whole)
-    return window_arrays(ref, plan, transform, window, group)
+    return window_arrays(plan, transform, window, group)
 
 
 def _check_transformed(result: Any, rows: int, where: str, epoch: int
