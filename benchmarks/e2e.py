@@ -50,7 +50,13 @@ from distributed import Client, LocalCluster
 from torch.nn.parallel import DistributedDataParallel
 
 import dasktrain as dt
-from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.bench import (
+    Ratio,
+    baseline_environment,
+    parse_with_quick,
+    ratio_of,
+    write_ratios,
+)
 
 FEATURES, WORKERS, BATCH, LR = 32, 2, 256, 0.01
 PROBE_ROWS = 4096
@@ -151,8 +157,9 @@ def ddp_run(path: str, width: int, epochs: int
     out = ctx.Queue()
     procs = [ctx.Process(target=_ddp_process, args=(r, port, path, width, epochs, out))
              for r in range(WORKERS)]
-    for p in procs:
-        p.start()
+    with baseline_environment():
+        for p in procs:
+            p.start()
     try:
         rates, after_first = out.get(timeout=1800)
     finally:

@@ -6,8 +6,10 @@ in one run (medians of ``--repeats`` runs of ``--steps`` steps each, after warm-
 * dasktrain: two trainer tasks on a 2-process LocalCluster push gradients to the
   ParameterHolder actor in ``sync`` mode (batch-size-weighted average + one SGD step on the
   holder) and load the parameters it sends back into their model: the worker in the
-  holder's process in place, the other over the holder's direct channel (and, for
-  comparison, once more through the actor's Dask calls alone, ``direct_channel=False``);
+  holder's process in place, the other over the holder's direct channel, through memory
+  shared with the holder (the default on one host); for comparison, once more with the
+  bytes on the channel's local socket (``shared_memory=False``, as between hosts) and once
+  through the actor's Dask calls alone (``direct_channel=False``);
 * baseline: ``torch.distributed`` gloo ``all_reduce`` of the same buffer across 2 processes,
   divided by 2, then the same SGD step in each process (what DDP does per step).
 
@@ -35,7 +37,13 @@ from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.bench import (
+    Ratio,
+    baseline_environment,
+    parse_with_quick,
+    ratio_of,
+    write_ratios,
+)
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
@@ -65,6 +73,7 @@ def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> d
     flat = FlatModel(_model(size))
     handle = HolderHandle(holder, timeout=120)
     info = handle.join(worker, get_worker().address, flat.layout, into=flat.receive_buffer())
+    handle.share(flat.adopt)  # as the trainer's workers do
     flat.load(info["params"])
     version = info["version"]
     flat.grads.copy_(torch.rand(size))  # a fixed, finite "gradient"
@@ -77,19 +86,20 @@ def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> d
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     handle.request("leave", worker)
-    via = handle.via
+    via = handle.via if handle.transport is None else f"{handle.via}/{handle.transport}"
     handle.close()
     return {"median_s": statistics.median(times), "where": via}
 
 
 def dasktrain_step(client: Client, size: int, steps: int, warmup: int, direct: bool = True,
-                   workers: int = WORKERS) -> tuple[float, str]:
+                   workers: int = WORKERS, shared: bool = True) -> tuple[float, str]:
     """Median seconds per ``sync`` step of ``workers`` trainer tasks exchanging ``size``
     float32 parameters through a holder on the cluster's first worker (trainer ``w`` on
     worker ``w`` modulo their number), and how each reached the holder."""
     addresses = sorted(worker_info(client))
     config = HolderConfig(model=functools.partial(_model, size), optimizer=dt.optim.sgd(LR),
-                          workers=workers, mode="sync", direct_channel=direct)
+                          workers=workers, mode="sync", direct_channel=direct,
+                          shared_memory=shared)
     holder_future = client.submit(ParameterHolder, config, actor=True, workers=[addresses[0]],
                                   pure=False)
     holder = holder_future.result()
@@ -137,8 +147,9 @@ def gloo_step(size: int, steps: int, warmup: int, workers: int = WORKERS) -> flo
     procs = [ctx.Process(target=_gloo_process,
                          args=(r, port, size, steps, warmup, workers, out))
              for r in range(workers)]
-    for p in procs:
-        p.start()
+    with baseline_environment():
+        for p in procs:
+            p.start()
     results = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(timeout=60)
@@ -162,7 +173,7 @@ def ratios(rows: list[tuple]) -> list[Ratio]:
     return [Ratio(workload=f"W2 exchange, {mb:g} MB, sync, 2 workers (ms/step)",
                   ours=f"{a * 1e3:.1f}", baseline=f"{b * 1e3:.1f} (gloo all_reduce + SGD)",
                   ratio=ratio_of(a, b), goal=GOALS.get(mb, "—"))
-            for mb, a, _, b, _ in rows]
+            for mb, a, _, b, *_ in rows]
 
 
 def main() -> None:
@@ -174,24 +185,28 @@ def main() -> None:
             Client(cluster) as client:
         for mb in args.sizes:
             size = int(mb * 1e6 / 4)
-            ours, actor, theirs = [], [], []
+            ours, socket_only, actor, theirs = [], [], [], []
             placement = ""
             for _ in range(args.repeats):
                 seconds, placement = dasktrain_step(client, size, args.steps, args.warmup)
                 ours.append(seconds)
+                socket_only.append(dasktrain_step(client, size, args.steps, args.warmup,
+                                                  shared=False)[0])
                 actor.append(dasktrain_step(client, size, args.steps, args.warmup,
                                             direct=False)[0])
                 theirs.append(gloo_step(size, args.steps, args.warmup))
-            a, c, b = (statistics.median(x) for x in (ours, actor, theirs))
-            rows.append((mb, a, c, b, placement))
-            print(f"{mb:g} MB: dasktrain {a * 1e3:.1f} ms (actor calls only {c * 1e3:.1f} "
-                  f"ms), gloo {b * 1e3:.1f} ms, ratio {a / b:.2f}x", flush=True)
+            a, s, c, b = (statistics.median(x) for x in (ours, socket_only, actor, theirs))
+            rows.append((mb, a, c, b, placement, s))
+            print(f"{mb:g} MB: dasktrain {a * 1e3:.1f} ms (bytes on the local socket "
+                  f"{s * 1e3:.1f} ms, actor calls only {c * 1e3:.1f} ms), gloo "
+                  f"{b * 1e3:.1f} ms, ratio {a / b:.2f}x", flush=True)
     print("\n| parameters | dasktrain holder, sync (ms/step) | gloo all_reduce + SGD (ms/step) "
-          "| ratio | holder through actor calls only (ms/step) | its ratio |")
-    print("|---|---|---|---|---|---|")
-    for mb, a, c, b, _ in rows:
-        print(f"| {mb:g} MB | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {c * 1e3:.1f} "
-              f"| {c / b:.2f}x |")
+          "| ratio | `shared_memory=False` (ms/step) | its ratio "
+          "| actor calls only (ms/step) | its ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mb, a, c, b, _, s in rows:
+        print(f"| {mb:g} MB | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {s * 1e3:.1f} "
+              f"| {s / b:.2f}x | {c * 1e3:.1f} | {c / b:.2f}x |")
     print(f"\n(2 trainer workers, holder placement: {rows[0][4]}; medians of "
           f"{args.repeats} x {args.steps} steps; numpy {np.__version__}, torch "
           f"{torch.__version__})")

@@ -24,6 +24,8 @@ import dask
 import dask.config
 from distributed import Client, LocalCluster, default_client
 
+from dasktrain._malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
+
 __all__ = [
     "MAX_LOCAL_WORKERS",
     "WORKER_MALLOC_ENVIRONMENT",
@@ -51,8 +53,9 @@ MAX_LOCAL_WORKERS = 8
 #: adaptive thresholds reach in a plain process (mmap from 32 MiB, trim at twice that):
 #: chunk-sized buffers are reused, and more than 64 MiB free at the top of a heap still goes
 #: back to the system.
-WORKER_MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-                             "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
+#: (Workers of other clusters get them at run time, see :mod:`dasktrain._malloc`.)
+WORKER_MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+                             "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 #: What distributed starts workers with when nobody configured the allocator.
 _STOCK_MALLOC = {"MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_MMAP_THRESHOLD_": None}
 

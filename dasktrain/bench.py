@@ -12,6 +12,7 @@ writes its rows of the summary there (:func:`write_ratios`); its own report goes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -20,13 +21,22 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["BENCHMARKS", "BenchResult", "Ratio", "benchmarks_directory", "format_table",
-           "ratio_of", "run_benchmarks", "write_ratios"]
+__all__ = [
+    "BENCHMARKS",
+    "BenchResult",
+    "Ratio",
+    "baseline_environment",
+    "benchmarks_directory",
+    "format_table",
+    "ratio_of",
+    "run_benchmarks",
+    "write_ratios",
+]
 
 #: The benchmarks of the summary, in the order they run (the shortest first).
 BENCHMARKS: tuple[str, ...] = ("pipeline", "holder", "updates", "scaling", "stragglers",
@@ -34,6 +44,10 @@ BENCHMARKS: tuple[str, ...] = ("pipeline", "holder", "updates", "scaling", "stra
 
 #: Seconds one benchmark may run before it is interrupted (its full run takes minutes).
 TIMEOUT_S = {True: 600.0, False: 3600.0}
+
+
+# The allocator variables of this process's user, before distributed added any.
+_USER_MALLOC = frozenset(key for key in os.environ if key.startswith("MALLOC_"))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -75,6 +89,20 @@ def parse_with_quick(parser: argparse.ArgumentParser, argv: list[str] | None,
         parser.set_defaults(**quick)
         args = parser.parse_args(argv)
     return args
+
+
+@contextlib.contextmanager
+def baseline_environment() -> Iterator[None]:
+    """Start a baseline's processes (DDP, gloo) as a user's own script would: without the
+    allocator setting distributed writes into this process's environment when it starts a
+    LocalCluster's workers (``MALLOC_TRIM_THRESHOLD_``, see :mod:`dasktrain._malloc`),
+    which slows a spawned torch process's training steps by a third."""
+    saved = {key: os.environ.pop(key) for key in list(os.environ)
+             if key.startswith("MALLOC_") and key not in _USER_MALLOC}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def ratio_of(ours: float, baseline: float) -> float | None:

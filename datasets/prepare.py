@@ -42,6 +42,7 @@ from zarr.storage import FsspecStore, StoreLike
 
 from dasktrain._cluster import cluster_client
 from dasktrain._durable import StorageOptions, is_url, local_path, strip_url
+from dasktrain._malloc import tune_allocator
 from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.atomic import StagedDirectory, check_output_path
 from dasktrain.datasets.config import PrepareConfig
@@ -306,6 +307,13 @@ def _parallelism(client: Client) -> int:
     return max(1, sum(client.nthreads().values()))
 
 
+def _tuned(task: Any, *args: Any) -> Any:
+    """``task(*args)`` in a worker whose allocator thresholds are set (see
+    :mod:`dasktrain._malloc`): chunk-sized buffers are then reused, not mapped afresh."""
+    tune_allocator()
+    return task(*args)
+
+
 def _run(client: Client, task: Any, args: list[tuple], blocks: list[list] | None, desc: str,
          progress: bool) -> list:
     """Run ``task(*args[t], *blocks[t])`` for every t and gather the results in order.
@@ -313,6 +321,7 @@ def _run(client: Client, task: Any, args: list[tuple], blocks: list[list] | None
     Without source blocks (the task reads its rows itself) the tasks are submitted as they
     are, in one message: no graph to build and optimise first (milliseconds a build).
     """
+    task = functools.partial(_tuned, task)
     if blocks is None:
         futures = client.map(task, *zip(*args, strict=True), pure=False)
     else:

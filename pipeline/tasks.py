@@ -14,6 +14,7 @@ import numpy as np
 import zarr
 from distributed.protocol import pickle
 
+from dasktrain._malloc import tune_allocator
 from dasktrain.pipeline.plan import EpochPlan, Piece
 
 __all__ = ["BlockFailed", "EpochContext", "Transform", "assemble_batches", "load_unit",
@@ -180,6 +181,7 @@ def _where(plan: EpochPlan, group: int) -> str:
 def load_window(context: EpochContext, window: int) -> dict[str, np.ndarray]:
     """Read the window's group (shuffled), and transform the window's pieces of it, each
     with its own RNG."""
+    tune_allocator()  # before the first large buffer of this process
     ref, plan, transform = context.open()
     span = plan.window_spans[window]
     whole = span.start == 0 and span.stop == plan.group_size(span.group)

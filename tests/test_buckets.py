@@ -123,7 +123,8 @@ async def _echo(worker, version, grads, count, loss, position) -> Lease:
 
 
 def _server():
-    return serve_channel(_echo, SIZE, order=ORDER)
+    # Bytes on the socket: a worker sharing memory with the holder sends no buckets.
+    return serve_channel(_echo, SIZE, order=ORDER, shared_memory=False)
 
 
 @pytest.mark.parametrize("marks", [[0, 1, 2], [2, 1, 0], [1], []])
@@ -174,7 +175,7 @@ def test_sync_with_a_gradient_in_many_buckets_equals_one_process(client, regress
     make = functools.partial(_net, unused=unused, norm=False)
     config = dt.optim.sgd(0.05, momentum=0.9)
     trainer = dt.Trainer(make, mse, config, mode="sync", workers=2, batch_size=16,
-                         bucket_bytes=1, progress=False)
+                         bucket_bytes=1, shared_memory=False, progress=False)
     history = trainer.fit(regression, epochs=1, client=client)
     record = history.epochs[0]
     assert record["exchange_via"] == {"local": 1, "direct": 1}

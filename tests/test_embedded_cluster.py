@@ -106,3 +106,59 @@ def test_embedded_workers_reuse_chunk_sized_buffers_unless_the_user_set_malloc(
     assert found == (WORKER_MALLOC_ENVIRONMENT if user is None
                      else {"MALLOC_TRIM_THRESHOLD_": "0"})
     assert dask.config.get("distributed.nanny.pre-spawn-environ") == stock
+
+
+def _mmapped_for_16_mib() -> int:
+    """Bytes glibc maps afresh (rather than taking from its heap) to allocate 16 MiB: all of
+    them with its mmap threshold frozen at 128 KiB (a heap with 16 MiB free in one piece,
+    which could serve it instead, does not arise from the small blocks it then holds),
+    none with the threshold at 32 MiB."""
+    import ctypes
+
+    import numpy as np
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Info
+    before = libc.mallinfo2().hblkhd
+    buffer = np.ones(1 << 22, np.float32)
+    grown = libc.mallinfo2().hblkhd - before
+    del buffer
+    return grown
+
+
+@pytest.mark.parametrize("user", [None, "config"])
+def test_any_clusters_workers_reuse_large_buffers_once_dasktrain_runs_there(
+        user, tmp_path, monkeypatch):
+    """Not only the embedded cluster: a worker of the user's own cluster, started with
+    distributed's stock allocator setting, gets the thresholds with dasktrain's first task
+    there (see dasktrain._malloc); one whose allocator the user configured keeps it."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    import dasktrain as dt
+    from dasktrain._cluster import WORKER_MALLOC_ENVIRONMENT
+
+    for key in WORKER_MALLOC_ENVIRONMENT:  # as a fresh process has them
+        monkeypatch.delenv(key, raising=False)
+    stock = dask.config.get("distributed.nanny.pre-spawn-environ")
+    settings = {"distributed.nanny.pre-spawn-environ": {**stock, "MALLOC_TRIM_THRESHOLD_": 0}
+                } if user == "config" else {}
+    with dask.config.set(settings), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                         host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        (before,) = client.run(_mmapped_for_16_mib).values()
+        assert before >= 1 << 24  # either setting freezes glibc's mmap threshold
+        dt.prepare("regression", tmp_path / "r.zarr", client=client, samples=64, width=4,
+                   progress=False)
+        (after,) = client.run(_mmapped_for_16_mib).values()
+        (found,) = client.run(_malloc_environment).values()
+    if user is None:
+        assert found == WORKER_MALLOC_ENVIRONMENT and after == 0
+    else:
+        assert found == {"MALLOC_TRIM_THRESHOLD_": "0"} and after >= 1 << 24

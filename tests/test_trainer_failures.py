@@ -1,7 +1,10 @@
 """Killing processes under the trainer: a dead trainer worker never stalls the holder, a dead
-holder fails the fit fast and a mid-epoch checkpoint resumes to the same parameters. The
-gradients travel one tensor per bucket (``bucket_bytes=1``), so the processes die while
-pushes are streaming during backward."""
+holder fails the fit fast and a mid-epoch checkpoint resumes to the same parameters.
+
+Each over both ways a worker beside the holder's host pushes: through memory shared with
+the holder (the default), and with bytes on the channel's socket, one tensor per bucket
+(``bucket_bytes=1``), so that the processes die while pushes are streaming during
+backward."""
 
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ def data(cluster_client, tmp_path_factory):
                       chunk_rows=200, seed=5, progress=False)
 
 
+# Trainer options of each exchange path.
+PATHS = {"shared": {}, "buckets": {"shared_memory": False, "bucket_bytes": 1}}
+
+
 def _holder_address(client: Client) -> str:
     """Where to put the holder, once the cluster is whole again (the nanny restarts the
     process an earlier test killed; its new address must not change the choice midway)."""
@@ -39,13 +46,14 @@ def _holder_address(client: Client) -> str:
     return sorted(worker_info(client))[0]
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, data,
-                                                                 tmp_path):
+                                                                 tmp_path, path):
     holder = _holder_address(cluster_client)
     loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=20,
                              holder=holder, on_holder=False)
     trainer = dt.Trainer(mlp, loss, dt.optim.sgd(0.05), mode="sync", workers=2,
-                         batch_size=8, holder_worker=holder, bucket_bytes=1, progress=False)
+                         batch_size=8, holder_worker=holder, progress=False, **PATHS[path])
     started = time.monotonic()
     history = trainer.fit(data, epochs=2, client=cluster_client)
     assert (tmp_path / "killed").exists()  # the process really died mid-epoch
@@ -61,20 +69,27 @@ def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, 
     assert torch.isfinite(flat_parameters(trainer.model)).all()
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_client, data,
-                                                                     tmp_path):
+                                                                     tmp_path, path):
     holder = _holder_address(cluster_client)
 
     def trainer(loss, holder_worker=holder):
         return dt.Trainer(mlp, loss, dt.optim.sgd(0.05, momentum=0.9), mode="sync",
                           workers=2, batch_size=8, holder_worker=holder_worker,
-                          checkpoint_every=10, bucket_bytes=1, progress=False)
+                          checkpoint_every=10, progress=False, **PATHS[path])
 
     straight = trainer(mse)
     straight.fit(data, epochs=2, client=cluster_client)
-    # The worker outside the holder's process streamed its gradients in buckets.
-    assert straight.history.epochs[0]["exchange_via"] == {"local": 1, "direct": 1}
-    assert max(w["pushes_in_buckets"] for w in straight.history.epochs[0]["per_worker"]) == 100
+    first = straight.history.epochs[0]
+    assert first["exchange_via"] == {"local": 1, "direct": 1}
+    # The worker outside the holder's process shared memory with it, or streamed its
+    # gradients in buckets.
+    direct = next(w for w in first["per_worker"] if w["transport"] is not None)
+    if path == "shared":
+        assert direct["transport"] == "shared" and direct["pushes_in_buckets"] == 0
+    else:
+        assert direct["transport"] == "local" and direct["pushes_in_buckets"] == 100
 
     # 100 steps per epoch: the holder's process dies in the middle of epoch 1.
     loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=150,

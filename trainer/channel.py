@@ -36,6 +36,7 @@ import contextlib
 import hmac
 import logging
 import math
+import os
 import queue
 import secrets
 import socket
@@ -48,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from dasktrain.trainer import shared
 from dasktrain.trainer.errors import HolderLost, TrainerError
 
 __all__ = ["ChannelClient", "ChannelServer", "OutgoingPush", "channel_host"]
@@ -157,13 +159,17 @@ class ChannelServer:
     order
         The ``(start, stop)`` slices of a payload in the order they travel (see
         :mod:`.buckets`); default: in one piece.
+    shared_memory
+        Take the shared memory that workers on this host offer (see :mod:`.shared`), so
+        their payloads and replies move no bytes on the socket.
     idle_timeout
         Seconds a worker's connection may send nothing, between pushes or in the middle of
         one, before it is ended (the worker connects again before its next push).
     """
 
     def __init__(self, push: PushFunction, size: int,
-                 idle_timeout: float = _IDLE_TIMEOUT, order: Order | None = None) -> None:
+                 idle_timeout: float = _IDLE_TIMEOUT, order: Order | None = None,
+                 shared_memory: bool = True) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle_timeout must be positive, got {idle_timeout!r}")
         self._push = push
@@ -171,6 +177,7 @@ class ChannelServer:
         self.order: Order = ((0, size),) if order is None else tuple(order)
         _check_order(self.order, size)
         self.idle_timeout = idle_timeout
+        self.shared_memory = shared_memory and shared.supported()
         self._secret = secrets.token_bytes(_SECRET_BYTES)
         # (listener, its accept task): TCP, and a local socket where the system has them.
         self._listening: list[tuple[socket.socket, asyncio.Task]] = []
@@ -210,7 +217,8 @@ class ChannelServer:
             return None
         return {"host": self.address[0], "port": self.address[1],
                 "local": self.local_name, "token": self._token(worker),
-                "idle_timeout": self.idle_timeout, "order": self.order}
+                "idle_timeout": self.idle_timeout, "order": self.order,
+                "shared": self.shared_memory}
 
     def _token(self, worker: int) -> bytes:
         # Derived rather than stored: nothing kept per worker, any number checked on arrival.
@@ -273,7 +281,12 @@ class ChannelServer:
                 _shut(older)
             self._by_worker[worker] = sock
             await _send(loop, sock, idle, _ACCEPTED)
-            payload = np.empty(self._size, dtype=np.float32)
+            regions = None
+            if sock.family == socket.AF_UNIX:  # a worker on this host offers shared memory
+                regions = await self._take_offer(loop, sock)
+                await _send(loop, sock, idle, _ACCEPTED if regions is not None else b"\0")
+            payload = (np.empty(self._size, dtype=np.float32) if regions is None
+                       else regions.payload)
             view = memoryview(payload).cast("B")
             header = bytearray(_PUSH.size)
             while True:
@@ -288,8 +301,10 @@ class ChannelServer:
                     continue
                 grads = None
                 if nbytes >= 0:
-                    await self._bulk(loop, sock, [view[a * 4:b * 4] for a, b in self.order],
-                                     idle, receive=True)
+                    if regions is None:  # else it lies in the shared payload region already
+                        await self._bulk(loop, sock,
+                                         [view[a * 4:b * 4] for a, b in self.order],
+                                         idle, receive=True)
                     grads = payload
                 try:
                     lease = await self._push(worker, version, grads, count, loss,
@@ -303,8 +318,12 @@ class ChannelServer:
                 out = None
                 try:
                     out = memoryview(lease.array).cast("B")
+                    if regions is not None:
+                        # Into the worker's model; the header after it says it is there.
+                        await self._copy(loop, regions.reply, lease.array)
                     await _send(loop, sock, idle, _REPLY.pack(_OK, lease.version, out.nbytes))
-                    await self._bulk(loop, sock, [out], idle, receive=False)
+                    if regions is None:
+                        await self._bulk(loop, sock, [out], idle, receive=False)
                 finally:
                     # Sent (or failed): the holder may write to that buffer again.
                     del out
@@ -321,6 +340,33 @@ class ChannelServer:
             self._sockets.discard(sock)
             sock.close()
 
+    def _mover(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._movers is None:
+            self._movers = concurrent.futures.ThreadPoolExecutor(
+                _MOVERS, thread_name_prefix="dasktrain-channel")
+        return self._movers
+
+    async def _take_offer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket
+                          ) -> shared.Regions | None:
+        """A worker's shared-memory offer (see :mod:`.shared`), read on a thread: the event
+        loop cannot receive descriptors."""
+        try:
+            regions = await loop.run_in_executor(self._mover(), shared.receive_offer, sock,
+                                                 self._size, _HELLO_TIMEOUT)
+            return regions if self.shared_memory else None
+        finally:
+            with contextlib.suppress(OSError):
+                sock.setblocking(False)
+
+    async def _copy(self, loop: asyncio.AbstractEventLoop, into: np.ndarray,
+                    values: np.ndarray) -> None:
+        """Copy a reply into shared memory; a large one on a thread, as :meth:`_bulk`
+        moves large payloads, so the loop keeps serving."""
+        if values.nbytes < _BULK_BYTES:
+            np.copyto(into, values)
+        else:
+            await loop.run_in_executor(self._mover(), np.copyto, into, values)
+
     async def _bulk(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                     views: list[memoryview], idle: float, *, receive: bool) -> None:
         """Move a payload's bytes. Large ones go on a thread of the channel's own, with the
@@ -335,12 +381,9 @@ class ChannelServer:
                 else:
                     await _send(loop, sock, idle, view)
             return
-        if self._movers is None:
-            self._movers = concurrent.futures.ThreadPoolExecutor(
-                _MOVERS, thread_name_prefix="dasktrain-channel")
         try:
             move = _recv_slices if receive else _send_slices
-            await loop.run_in_executor(self._movers, move, sock, views, idle)
+            await loop.run_in_executor(self._mover(), move, sock, views, idle)
         finally:
             with contextlib.suppress(OSError):  # closed meanwhile: the caller sees why
                 sock.setblocking(False)
@@ -491,13 +534,20 @@ class ChannelClient:
         self._stale_after = float(contact.get("idle_timeout", math.inf)) / 2
         self.transport: str | None = None
         """``"local"`` (a socket on the holder's own host) or ``"tcp"``."""
-        self._connect()
         # Where replies land (the worker's model itself, when it lives on the CPU).
         self._params = np.empty(size, dtype=np.float32) if into is None else into
         if self._params.dtype != np.float32 or self._params.shape != (size,) \
                 or not self._params.flags.c_contiguous:
-            self.close()
             raise ValueError(f"the receive buffer must be {size} contiguous float32 values")
+        self._size = size
+        # Shared memory with the holder (see .shared): offered on every local connection
+        # while the holder takes it; once refused, never offered again.
+        self._offer = bool(contact.get("shared")) and shared.supported()
+        self._file: int | None = None
+        self._regions: shared.Regions | None = None
+        self.shared: shared.Regions | None = None
+        """The regions shared with the holder over the current connection, if any."""
+        self._connect()
         self._header = bytearray(_REPLY.size)
         self._pending = False
         self.order: Order = tuple((int(a), int(b)) for a, b in contact.get("order",
@@ -516,6 +566,13 @@ class ChannelClient:
                              f"{getattr(grads, 'shape', '?')}")
         data = None if grads is None else np.ascontiguousarray(grads)
         nbytes = -1 if data is None else data.nbytes
+        regions = self.shared
+        if regions is not None and data is not None and data.size == self._size:
+            if data.ctypes.data != regions.payload.ctypes.data:
+                np.copyto(regions.payload, data)
+            self._start(version, count, loss, position, nbytes)
+            self._pending = True
+            return PendingPush(self)
         wait = self._start(version, count, loss, position, nbytes)
         if data is not None:
             view = memoryview(data).cast("B")
@@ -534,6 +591,9 @@ class ChannelClient:
         sends the rest and returns the reply's :class:`PendingPush`. The caller must not
         write to a bucket after marking it ready."""
         size = self.order_size
+        if self.shared is not None:
+            # The header would have the holder read the payload before it is written.
+            raise TrainerError("a push over shared memory is not sent bucket by bucket")
         if payload.dtype != np.float32 or payload.shape != (size,) or \
                 not payload.flags.c_contiguous:
             raise ValueError(f"a streamed push carries the whole payload: {size} contiguous "
@@ -594,8 +654,21 @@ class ChannelClient:
             self.close()
             raise TrainerError(f"the holder sent {nbytes} bytes of parameters, expected "
                                f"{view.nbytes}")
-        self._recv_into(view, wait)
+        if self.shared is not None:  # written into the reply region before the header
+            if self._params is not self.shared.reply:
+                np.copyto(self._params, self.shared.reply)
+        else:
+            self._recv_into(view, wait)
         return self._params, version
+
+    def receive_into(self, into: np.ndarray) -> None:
+        """Receive replies into ``into`` from now on: the shared reply region, once the
+        worker's model lives there (so a reply costs no copy on this side)."""
+        if into.dtype != np.float32 or into.shape != (self._size,) or \
+                not into.flags.c_contiguous:
+            raise ValueError(f"the receive buffer must be {self._size} contiguous float32 "
+                             "values")
+        self._params = into
 
     def _open(self) -> socket.socket:
         """A connection to the holder: its local socket when this worker is on the holder's
@@ -621,13 +694,34 @@ class ChannelClient:
         try:
             _tune(self._sock)
             self._sock.sendall(_HELLO.pack(self._contact["token"], self._worker))
+            wait = _Wait(_CONNECT_TIMEOUT, "the holder to accept the connection")
             accepted = bytearray(1)
-            self._recv_into(memoryview(accepted),
-                            _Wait(_CONNECT_TIMEOUT, "the holder to accept the connection"))
+            self._recv_into(memoryview(accepted), wait)
+            self.shared = None
+            if self._sock.family == socket.AF_UNIX:
+                self._share(wait)
         except BaseException:
             self._sock.close()
             raise
         self._last_push = time.monotonic()  # the holder's idle clock starts now too
+
+    def _share(self, wait: _Wait) -> None:
+        """Offer the holder shared memory (see :mod:`.shared`); a local connection always
+        says whether it does."""
+        if self._offer and self._file is None:
+            try:
+                self._file, self._regions = shared.create(self._size)
+            except OSError as exc:  # no memory files here: bytes over the socket
+                logger.info("worker %d: no shared memory with the holder (%s)",
+                            self._worker, exc)
+                self._offer = False
+        shared.offer(self._sock, self._file if self._offer else None, self._size)
+        answer = bytearray(1)
+        self._recv_into(memoryview(answer), wait)
+        if answer == _ACCEPTED:
+            self.shared = self._regions
+        else:
+            self._offer = False
 
     def _send(self, data: bytes | memoryview, wait: _Wait) -> None:
         view = memoryview(data)
@@ -695,6 +789,9 @@ class ChannelClient:
     def stop(self) -> None:
         """Close the connection and end the sender thread."""
         self.close()
+        if self._file is not None:  # the mappings keep the memory while anyone uses it
+            os.close(self._file)
+            self._file = None
         if self._outbox is not None:
             self._outbox.put(None)
             self._outbox = None

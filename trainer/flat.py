@@ -121,26 +121,54 @@ class FlatModel:
         self._host = torch.zeros(self.layout.size, dtype=torch.float32, pin_memory=pinned)
         self.grads = (self._host[:n] if self.device.type == "cpu" else
                       torch.zeros(n, dtype=torch.float32, device=self.device))
+        self._tensors = params + buffers
         offset = 0
-        for p in params:
-            k = p.numel()
-            # Views of the flat buffers: backward accumulates into .grad in place.
-            self.params[offset:offset + k].copy_(p.detach().reshape(-1))
-            p.data = self.params[offset:offset + k].view_as(p)
-            p.grad = self.grads[offset:offset + k].view_as(p)
-            offset += k
         # Buffers of another precision keep their storage and are copied in and out.
         self._copied: list[tuple[int, torch.Tensor]] = []
-        for b in buffers:
-            k = b.numel()
-            view = self._state[offset:offset + k]
-            view.copy_(b.detach().reshape(-1))
-            if b.dtype == torch.float32:
-                b.data = view.view_as(b)
-            else:
-                self._copied.append((offset, b))
+        for t in self._tensors:
+            k = t.numel()
+            self._state[offset:offset + k].copy_(t.detach().reshape(-1))
+            if t.dtype != torch.float32:
+                self._copied.append((offset, t))
             offset += k
+        self._point()
         self._received: np.ndarray | None = None
+
+    def _point(self) -> None:
+        """Make the model's parameters and float32 buffers views of the flat state, and
+        the parameters' ``.grad`` views of the flat gradients: backward accumulates into
+        them in place."""
+        offset = 0
+        n = self.layout.num_params
+        for i, t in enumerate(self._tensors):
+            k = t.numel()
+            if i < len(self.layout.params):
+                t.data = self.params[offset:offset + k].view_as(t)
+                t.grad = self.grads[offset:offset + k].view_as(t)
+            elif t.dtype == torch.float32:
+                t.data = self._state[offset:offset + k].view_as(t)
+            offset += k
+        assert offset == n + self.layout.num_buffers
+
+    def adopt(self, payload: np.ndarray, state: np.ndarray) -> bool:
+        """Move the model into ``state`` and its outgoing payload (its gradients) into
+        ``payload``, both float32 arrays of a payload's size: memory shared with the holder
+        (see :mod:`dasktrain.trainer.shared`), which then reads the gradients and writes
+        fresh parameters where the model has them. Values are kept. False (nothing done)
+        where the model does not live on the CPU."""
+        size = self.layout.size
+        if self.device.type != "cpu" or payload.shape != (size,) or state.shape != (size,):
+            return False
+        new_state, new_host = torch.from_numpy(state), torch.from_numpy(payload)
+        with torch.no_grad():
+            new_state.copy_(self._state)
+            new_host.copy_(self._host)
+        self._state, self._host = new_state, new_host
+        self.params = new_state[: self.layout.num_params]
+        self.grads = new_host[: self.layout.num_params]
+        self._point()
+        self._received = state
+        return True
 
     def payload(self) -> np.ndarray:
         """Gradients then buffers, as one contiguous float32 host array (reused: send it

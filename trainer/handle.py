@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,25 @@ class HolderHandle:
                                contact["port"], exc)
         return info
 
+    def share(self, adopt: Callable[[np.ndarray, np.ndarray], bool]) -> bool:
+        """Where the direct channel shares memory with the holder (a worker on its host,
+        see :mod:`.shared`): ``adopt(payload, reply)`` moves the caller's outgoing payload
+        and receive buffer into the shared regions (returning False if it cannot), and
+        replies are received there from now on. True if they were."""
+        regions = None if self._channel is None else self._channel.shared
+        if regions is None or not adopt(regions.payload, regions.reply):
+            return False
+        self._channel.receive_into(regions.reply)
+        return True
+
+    @property
+    def transport(self) -> str | None:
+        """How the direct channel moves payloads: ``"shared"`` (memory shared with the
+        holder), ``"local"`` (a local socket), ``"tcp"``; None without a channel."""
+        if self._channel is None:
+            return None
+        return "shared" if self._channel.shared is not None else self._channel.transport
+
     def push(self, worker: int, version: int, payload: Any, count: int, loss: float,
              position: tuple[int, int]) -> Any:
         """Start a push (see :meth:`ParameterHolder.push`); :meth:`wait` for its reply, the
@@ -113,8 +133,10 @@ class HolderHandle:
     @property
     def order(self) -> tuple[tuple[int, int], ...] | None:
         """The order in which the direct channel sends a payload's buckets (None: no
-        channel)."""
-        return None if self._channel is None else self._channel.order
+        channel, or one whose payloads lie in shared memory and are not sent)."""
+        if self._channel is None or self._channel.shared is not None:
+            return None
+        return self._channel.order
 
     def close(self) -> None:
         """Close the direct channel, if any."""

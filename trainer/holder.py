@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from distributed import get_worker
 
+from dasktrain._malloc import tune_allocator
 from dasktrain.trainer.arithmetic import Arithmetic, Lease, as_tensor
 from dasktrain.trainer.buckets import BUCKET_BYTES, bucket_order
 from dasktrain.trainer.channel import ChannelServer, channel_host
@@ -69,6 +70,9 @@ class HolderConfig:
     direct_channel: bool = True
     """Pushes from workers in other processes go over a direct TCP connection to the
     holder (see :mod:`dasktrain.trainer.channel`); False keeps them on the actor's calls."""
+    shared_memory: bool = True
+    """Workers on the holder's host push through memory shared with it instead of bytes
+    over the direct channel's socket (see :mod:`dasktrain.trainer.shared`)."""
     bucket_bytes: int = BUCKET_BYTES
     """Least bytes of a bucket of the direct channel's payload order (see
     :mod:`dasktrain.trainer.buckets`)."""
@@ -104,6 +108,7 @@ class ParameterHolder:
 
     def __init__(self, config: HolderConfig) -> None:
         self.config = config
+        tune_allocator()
         torch.set_num_threads(config.torch_threads)
         try:
             self._worker = get_worker()
@@ -285,7 +290,8 @@ class ParameterHolder:
                 return None
             channel = ChannelServer(self.exchange, self._payload_size,
                                     order=bucket_order(self.layout, self._payload_size,
-                                                      self.config.bucket_bytes))
+                                                      self.config.bucket_bytes),
+                                    shared_memory=self.config.shared_memory)
             try:
                 await channel.start(host)
             except OSError as exc:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from distributed import Client
 
+from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
 from dasktrain.trainer.compute import BatchCompute, MetricTotals, batch_size_of
 
@@ -51,6 +52,7 @@ def _batches(dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: 
 def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
                    dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool,
                    threads: int) -> np.ndarray:
+    tune_allocator()
     if threads:
         torch.set_num_threads(threads)
     model.eval()
@@ -68,6 +70,7 @@ def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
 def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
                     start: int, stop: int, batch_size: int, as_dict: bool,
                     threads: int) -> dict[str, Any]:
+    tune_allocator()
     if threads:
         torch.set_num_threads(threads)
     model.eval()

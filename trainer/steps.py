@@ -56,6 +56,12 @@ class WorkerStep:
         """Where replies are received (its size is the mode's payload size)."""
         return self.flat.receive_buffer()
 
+    def adopt(self, payload: np.ndarray, reply: np.ndarray) -> bool:
+        """Push from ``payload`` and receive into ``reply`` from now on (memory shared with
+        the holder, see :mod:`.shared`: a push then copies nothing); False where this step
+        cannot."""
+        return self.flat.adopt(payload, reply)
+
     def start(self, values: np.ndarray) -> None:
         """Take the join's reply (the parameters to start from)."""
         self.flat.load(values)

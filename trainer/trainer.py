@@ -175,6 +175,11 @@ class Trainer:
         over a direct TCP connection to the holder's worker (on ``tcp://`` clusters; a
         worker that cannot connect falls back by itself). False: every exchange goes
         through the holder actor's Dask calls, several milliseconds slower per step.
+    shared_memory
+        A worker on the holder's host (a LocalCluster, the GPUs of one machine) shares
+        memory with the holder over the direct channel: the holder reads its gradients
+        where backward wrote them and writes fresh parameters into its model, so no payload
+        byte goes through a socket. False: payloads travel on the channel's local socket.
     bucket_bytes
         On the direct channel a gradient leaves in buckets of whole tensors of at least
         this many bytes, each as soon as backward has computed it (last layers first), so
@@ -240,6 +245,7 @@ class Trainer:
         timeout: float = 300.0,
         barrier_timeout: float = 120.0,
         direct_channel: bool = True,
+        shared_memory: bool = True,
         bucket_bytes: int = BUCKET_BYTES,
         on_nonfinite: str = "raise",
         nonfinite_patience: int = 10,
@@ -292,6 +298,7 @@ class Trainer:
         self.timeout = timeout
         self.barrier_timeout = barrier_timeout
         self.direct_channel = direct_channel
+        self.shared_memory = bool(shared_memory)
         self.bucket_bytes = bucket_bytes
         self.on_nonfinite = on_nonfinite
         self.nonfinite_patience = nonfinite_patience
@@ -403,7 +410,8 @@ class Trainer:
             model=self._factory, optimizer=self.optimizer, workers=self.workers,
             mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
             barrier_timeout=self.barrier_timeout, torch_threads=self.torch_threads,
-            direct_channel=self.direct_channel, bucket_bytes=self.bucket_bytes,
+            direct_channel=self.direct_channel, shared_memory=self.shared_memory,
+            bucket_bytes=self.bucket_bytes,
             on_nonfinite=self.on_nonfinite,
             nonfinite_patience=self.nonfinite_patience, clip_grad_norm=self.clip_grad_norm,
             clip_grad_value=self.clip_grad_value)
@@ -565,6 +573,8 @@ class Trainer:
                  "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
                  # Of the stall, the wait for the epoch's first batch (the pipeline starting).
                  "first_batch_s": float(r.get("first_batch_s", 0.0)),
+                 # "shared", "local" or "tcp" over the direct channel; None without one.
+                 "transport": r.get("transport"),
                  # Pushes sent bucket by bucket during backward (direct channel only).
                  "pushes_in_buckets": int(r.get("pushes_in_buckets", 0))}
                 for r in sorted(reports, key=lambda r: r["worker"])],

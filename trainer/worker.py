@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from distributed import get_client, get_worker, secede
 
+from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.buckets import GradientReadiness
@@ -69,6 +70,7 @@ def pick_device(requested: str | None) -> torch.device:
 def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> dict[str, Any]:
     """Train ``worker``'s share of ``epoch``; returns its counters."""
     secede()  # free the thread for pipeline tasks; this task is not stolen once running
+    tune_allocator()
     started = time.perf_counter()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -100,6 +102,7 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
            worker: int, address: str | None, epoch: int, started: float) -> dict[str, Any]:
     strategy = _step_for(config, flat, epoch)
     info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer())
+    handle.share(strategy.adopt)  # on the holder's host: pushes then copy nothing
     strategy.lr_factor = float(info.get("lr_factor", 1.0))
     strategy.start(info["params"])
     version = int(info["version"])
@@ -181,7 +184,8 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
             "first_batch_s": pipe.stats.wait_per_batch[0] if pipe.stats.wait_per_batch else 0.0,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
-            "exchange_via": handle.via, "pushes_in_buckets": in_buckets}
+            "exchange_via": handle.via, "transport": handle.transport,
+            "pushes_in_buckets": in_buckets}
 
 
 def _readiness(strategy: WorkerStep, handle: HolderHandle, flat: FlatModel,

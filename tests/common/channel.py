@@ -13,9 +13,11 @@ from dasktrain.trainer.channel import ChannelServer, Order, PushFunction
 
 @contextlib.contextmanager
 def serve_channel(push: PushFunction, size: int, idle_timeout: float = 600.0,
-                  order: Order | None = None) -> Iterator[ChannelServer]:
+                  order: Order | None = None, shared_memory: bool = True
+                  ) -> Iterator[ChannelServer]:
     """A server of ``size`` values answering with ``push``, on its own thread's loop."""
-    server = ChannelServer(push, size, idle_timeout=idle_timeout, order=order)
+    server = ChannelServer(push, size, idle_timeout=idle_timeout, order=order,
+                           shared_memory=shared_memory)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

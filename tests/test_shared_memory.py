@@ -1,0 +1,160 @@
+"""Memory shared between a worker and the holder on one host: the holder maps only a sealed
+file of the payload's size, a push over it moves the worker's own memory (no bytes on the
+socket), a holder that does not take it gets bytes, and a model moved into it keeps its
+values and trains in place. End to end (every mode, sync equal to one process, killed
+processes) the trainer's tests run over it, since it is the default on a LocalCluster."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from dasktrain.trainer import shared
+from dasktrain.trainer.arithmetic import Lease
+from dasktrain.trainer.channel import ChannelClient
+from dasktrain.trainer.errors import TrainerError
+from dasktrain.trainer.flat import FlatModel
+from tests.common.channel import serve_channel
+
+SIZE = 1000
+
+pytestmark = pytest.mark.skipif(not shared.supported(), reason="Linux memory files only")
+
+
+def _offered(fd: int | None, size: int = SIZE) -> shared.Regions | None:
+    """What the holder's side makes of offering ``fd`` for payloads of ``size`` values."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        shared.offer(a, fd, size)
+        return shared.receive_offer(b, SIZE, timeout=5)
+
+
+def test_the_holder_maps_only_a_sealed_file_of_the_payload_size():
+    fd, regions = shared.create(SIZE)
+    try:
+        regions.payload[:] = np.arange(SIZE)
+        mapped = _offered(fd)
+        assert mapped is not None
+        # The same memory, seen through another mapping.
+        assert np.array_equal(mapped.payload, np.arange(SIZE))
+        mapped.reply[:] = 7.0
+        assert (regions.reply == 7.0).all()
+        assert _offered(fd, size=SIZE + 1) is None  # another model's size
+    finally:
+        os.close(fd)
+    assert _offered(None) is None  # nothing offered
+    loose = os.memfd_create("unsealed")  # could be truncated under the holder's mapping
+    try:
+        os.ftruncate(loose, 8 * SIZE)
+        assert _offered(loose) is None
+    finally:
+        os.close(loose)
+
+
+class _Recorder:
+    """A holder's push that keeps each payload it was handed (not a copy) and echoes it."""
+
+    def __init__(self) -> None:
+        self.seen: list[np.ndarray | None] = []
+        self.params = np.zeros(SIZE, np.float32)
+
+    async def __call__(self, worker, version, grads, count, loss, position) -> Lease:
+        self.seen.append(grads)
+        if grads is not None:
+            self.params = grads.copy()
+        return Lease(self.params, version + 1, None)
+
+
+def test_a_push_over_shared_memory_hands_the_holder_the_workers_own_memory():
+    recorder = _Recorder()
+    with serve_channel(recorder, SIZE) as server:
+        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True)
+        try:
+            assert channel.shared is not None
+            regions = channel.shared
+            channel.receive_into(regions.reply)
+            regions.payload[:] = np.arange(SIZE, dtype=np.float32)
+            params, version = channel.push(0, regions.payload, 1, 0.0, (0, 1)).result(10)
+            # The reply was written into the region the worker reads, nothing copied here.
+            assert params is regions.reply and version == 1
+            assert np.array_equal(params, np.arange(SIZE))
+            # The holder read the worker's memory itself: a later write shows through.
+            regions.payload[0] = -1.0
+            assert recorder.seen[-1][0] == -1.0
+            # A payload elsewhere is copied in first, and goes the same way.
+            other = np.full(SIZE, 3.0, np.float32)
+            params, _ = channel.push(1, other, 1, 0.0, (0, 2)).result(10)
+            assert (params == 3.0).all() and (recorder.seen[-1] == 3.0).all()
+            # A push without a batch carries nothing, and still gets the parameters.
+            params, _ = channel.push(2, None, 0, 0.0, (0, 3)).result(10)
+            assert recorder.seen[-1] is None and (params == 3.0).all()
+            # Sending in buckets would have the holder read a payload still being written.
+            with pytest.raises(TrainerError, match="not sent bucket by bucket"):
+                channel.begin(3, 1, 0.0, (0, 4), regions.payload)
+        finally:
+            channel.stop()
+
+
+def test_a_holder_that_does_not_share_memory_gets_the_bytes():
+    recorder = _Recorder()
+    with serve_channel(recorder, SIZE, shared_memory=False) as server:
+        assert server.contact(0)["shared"] is False
+        contact = dict(server.contact(0), shared=True)  # offered anyway: declined
+        channel = ChannelClient(contact, 0, SIZE, 10, lambda: True)
+        try:
+            assert channel.shared is None and channel.transport == "local"
+            payload = np.arange(SIZE, dtype=np.float32)
+            params, _ = channel.push(0, payload, 1, 0.0, (0, 1)).result(10)
+            assert np.array_equal(params, payload)
+            payload[0] = -1.0  # the holder has its own copy of the bytes
+            assert recorder.seen[-1][0] == 0.0
+        finally:
+            channel.stop()
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                               torch.nn.Linear(8, 1))
+
+
+def test_a_model_moved_into_shared_regions_keeps_its_values_and_trains_in_place():
+    flat, reference = FlatModel(_net()), _net()
+    x = torch.randn(16, 4)
+    reference(x).sum().backward()
+    flat.model(x).sum().backward()
+    fd, regions = shared.create(flat.layout.size)
+    try:
+        assert flat.adopt(regions.payload, regions.reply)
+        # Values kept: the state, the gradients just computed, the running statistics.
+        assert np.array_equal(regions.reply, flat.state())
+        for p, q in zip(flat.model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+        # Backward now writes where the holder reads.
+        flat.zero_grad()
+        flat.model(x).sum().backward()
+        assert flat.payload().ctypes.data == regions.payload.ctypes.data  # no copy
+        assert np.array_equal(regions.payload[: flat.layout.num_params],
+                              torch.cat([p.grad.reshape(-1)
+                                         for p in reference.parameters()]).numpy())
+        # Parameters written into the reply region are the model's, with no load.
+        regions.reply[: flat.layout.num_params] = 0.5
+        assert all((p == 0.5).all() for p in flat.model.parameters())
+        assert flat.receive_buffer() is regions.reply
+    finally:
+        os.close(fd)
+
+
+def test_a_model_of_the_wrong_size_is_not_moved():
+    flat = FlatModel(_net())
+    fd, regions = shared.create(flat.layout.size + 1)
+    try:
+        before = flat.state()
+        assert not flat.adopt(regions.payload, regions.reply)
+        assert np.array_equal(flat.state(), before)
+    finally:
+        os.close(fd)
