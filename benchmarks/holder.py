@@ -21,7 +21,9 @@ Run: ``.venv/bin/python benchmarks/holder.py`` (``--sizes 1 10 100 --steps 20 --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import os
 import socket
 import statistics
@@ -45,8 +47,8 @@ from dasktrain.bench import (
     write_ratios,
 )
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.shards import open_handle, shard_workers
 
 WORKERS = 2
 LR = 1e-3
@@ -56,22 +58,26 @@ QUICK = {"sizes": [1.0], "steps": 5, "warmup": 2, "repeats": 1}
 
 
 class FlatParameters(torch.nn.Module):
-    """A model that is nothing but ``size`` float32 parameters."""
+    """A model that is nothing but ``size`` float32 parameters, in ``pieces`` tensors of
+    about equal size (a holder in shards keeps whole tensors)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, pieces: int = 1) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(size))
+        cuts = np.linspace(0, size, pieces + 1).astype(int)
+        self.pieces = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.zeros(int(b - a))) for a, b in itertools.pairwise(cuts))
 
 
-def _model(size: int) -> torch.nn.Module:
-    return FlatParameters(size)
+def _model(size: int, pieces: int = 1) -> torch.nn.Module:
+    return FlatParameters(size, pieces)
 
 
-def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> dict:
+def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int,
+                   pieces: int = 1) -> dict:
     secede()
     torch.set_num_threads(1)
-    flat = FlatModel(_model(size))
-    handle = HolderHandle(holder, timeout=120)
+    flat = FlatModel(_model(size, pieces))
+    handle = open_handle(holder, timeout=120)  # one holder, or a list of shards
     info = handle.join(worker, get_worker().address, flat.layout, into=flat.receive_buffer())
     handle.share(flat.adopt)  # as the trainer's workers do
     flat.load(info["params"])
@@ -92,24 +98,35 @@ def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int) -> d
 
 
 def dasktrain_step(client: Client, size: int, steps: int, warmup: int, direct: bool = True,
-                   workers: int = WORKERS, shared: bool = True) -> tuple[float, str]:
+                   workers: int = WORKERS, shared: bool = True, shards: int = 1
+                   ) -> tuple[float, str]:
     """Median seconds per ``sync`` step of ``workers`` trainer tasks exchanging ``size``
-    float32 parameters through a holder on the cluster's first worker (trainer ``w`` on
-    worker ``w`` modulo their number), and how each reached the holder."""
+    float32 parameters through a holder on the cluster's first worker, or ``shards``
+    shards on its first workers, as ``fit`` places them (trainer ``w`` on worker ``w``
+    modulo their number), and how each reached the holder."""
     addresses = sorted(worker_info(client))
-    config = HolderConfig(model=functools.partial(_model, size), optimizer=dt.optim.sgd(LR),
-                          workers=workers, mode="sync", direct_channel=direct,
-                          shared_memory=shared)
-    holder_future = client.submit(ParameterHolder, config, actor=True, workers=[addresses[0]],
-                                  pure=False)
-    holder = holder_future.result()
-    holder.begin_epoch(0).result()
-    futures = [client.submit(_exchange_task, holder, w, size, steps, warmup, pure=False,
-                             workers=[addresses[w % len(addresses)]])
+    pieces = 1 if shards == 1 else 8 * shards  # whole tensors to cut the shards from
+    config = HolderConfig(model=functools.partial(_model, size, pieces),
+                          optimizer=dt.optim.sgd(LR), workers=workers, mode="sync",
+                          direct_channel=direct, shared_memory=shared)
+    configs = [config] if shards == 1 else [
+        dataclasses.replace(config, shard=(k, shards)) for k in range(shards)]
+    targets = [addresses[0]] if shards == 1 else shard_workers(addresses, shards)
+    holder_futures = [client.submit(ParameterHolder, c, actor=True, workers=[target],
+                                    pure=False) for c, target in zip(configs, targets,
+                                                                     strict=True)]
+    actors = [f.result() for f in holder_futures]
+    for actor in actors:
+        actor.begin_epoch(0).result()
+    holder = actors[0] if shards == 1 else actors
+    futures = [client.submit(_exchange_task, holder, w, size, steps, warmup, pieces,
+                             pure=False, workers=[addresses[w % len(addresses)]])
                for w in range(workers)]
     results = client.gather(futures)
-    holder.close().result()
-    holder_future.release()
+    for actor in actors:
+        actor.close().result()
+    for future in holder_futures:
+        future.release()
     # A step is over when the slowest worker has its parameters back.
     placement = "+".join(r["where"] for r in results)
     return max(r["median_s"] for r in results), placement

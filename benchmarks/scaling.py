@@ -7,7 +7,10 @@ with the exchange of ``benchmarks/holder.py`` (W2) run for N workers:
 * dasktrain: N trainer tasks on an N-process LocalCluster (one single-threaded worker
   process each) push a gradient to the ParameterHolder actor in ``sync`` mode and load the
   parameters it sends back; the holder sits in the first process, so one worker calls it in
-  place and the N - 1 others over the direct channel;
+  place and the N - 1 others over the direct channel, sharing memory with it (the
+  defaults); beside it, the holder in 2 shards (``holder_shards=2``, on the first two
+  processes), what a cluster of several hosts would use, here with every byte on the
+  channel's sockets;
 * baseline: ``torch.distributed`` gloo ``all_reduce`` of the same buffer across N processes,
   divided by N, then the same SGD step in each process.
 
@@ -53,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shards", type=int, default=2,
+                        help="shards of the holder measured beside one holder (default 2; "
+                             "1: none)")
     args = parse_with_quick(parser, argv, QUICK,
                             "seconds, not minutes: 2 and 3 workers, 1 MB, 5 steps, once")
     if min(args.workers) < 1:
@@ -66,12 +72,14 @@ def ratios(mb: float, rows: list[tuple]) -> list[Ratio]:
                   ours=f"{a * 1e3:.1f}",
                   baseline=f"{b * 1e3:.1f} (gloo all_reduce + SGD, {n} processes)",
                   ratio=ratio_of(a, b), goal=GOAL)
-            for n, a, b, _ in rows]
+            for n, a, b, *_ in rows]
 
 
-def measure(workers: int, size: int, args: argparse.Namespace) -> tuple[float, float, str]:
-    """Medians of our step and gloo's for ``workers`` processes each, alternating."""
-    ours, theirs = [], []
+def measure(workers: int, size: int, args: argparse.Namespace
+            ) -> tuple[float, float, str, float | None]:
+    """Medians of our step, gloo's and ours in shards for ``workers`` processes each,
+    alternating."""
+    ours, theirs, sharded = [], [], []
     placement = ""
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                       host="127.0.0.1", dashboard_address=None) as cluster, \
@@ -81,12 +89,16 @@ def measure(workers: int, size: int, args: argparse.Namespace) -> tuple[float, f
             seconds, placement = dasktrain_step(client, size, args.steps, args.warmup,
                                                 workers=workers)
             ours.append(seconds)
+            if 1 < args.shards <= workers:
+                sharded.append(dasktrain_step(client, size, args.steps, args.warmup,
+                                              workers=workers, shards=args.shards)[0])
             # Our cluster's processes idle meanwhile, as gloo's are gone while ours run.
             theirs.append(gloo_step(size, args.steps, args.warmup, workers=workers))
     # "local+direct+direct+direct" -> "local x1, direct x3"
     counts = Counter(placement.split("+"))
     return (statistics.median(ours), statistics.median(theirs),
-            ", ".join(f"{where} x{count}" for where, count in counts.items()))
+            ", ".join(f"{where} x{count}" for where, count in counts.items()),
+            statistics.median(sharded) if sharded else None)
 
 
 def main() -> None:
@@ -95,16 +107,19 @@ def main() -> None:
     size = int(args.size * 1e6 / 4)
     rows = []
     for n in args.workers:
-        a, b, placement = measure(n, size, args)
-        rows.append((n, a, b, placement))
-        print(f"{n} workers: dasktrain {a * 1e3:.1f} ms, gloo {b * 1e3:.1f} ms, "
+        a, b, placement, s = measure(n, size, args)
+        rows.append((n, a, b, placement, s))
+        shards = "" if s is None else f", {args.shards} shards {s * 1e3:.1f} ms"
+        print(f"{n} workers: dasktrain {a * 1e3:.1f} ms{shards}, gloo {b * 1e3:.1f} ms, "
               f"ratio {a / b:.2f}x", flush=True)
     print(f"\n| workers ({args.size:g} MB) | dasktrain holder, sync (ms/step) "
-          "| gloo all_reduce + SGD (ms/step) | ratio |")
-    print("|---|---|---|---|")
-    for n, a, b, _ in rows:
-        print(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |")
-    placements = "; ".join(f"{n}: {p}" for n, *_, p in rows)
+          f"| gloo all_reduce + SGD (ms/step) | ratio | holder in {args.shards} shards "
+          "(ms/step) | its ratio |")
+    print("|---|---|---|---|---|---|")
+    for n, a, b, _, s in rows:
+        shards = "— | —" if s is None else f"{s * 1e3:.1f} | {s / b:.2f}x"
+        print(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {shards} |")
+    placements = "; ".join(f"{n}: {p}" for n, _, _, p, _ in rows)
     print(f"\n(N processes for each; how workers reached the holder: {placements}; medians "
           f"of {args.repeats} x {args.steps} steps; {os.cpu_count()} cores; numpy "
           f"{np.__version__}, torch {torch.__version__})")

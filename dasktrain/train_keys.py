@@ -91,6 +91,7 @@ _DOCS: dict[str, dict[str, str]] = {
         "device": "device of the replicas (default: CUDA where a worker has one)",
         "holder_worker": "address of the worker holding the parameters (default: most "
                          "memory)",
+        "holder_shards": "actors the holder is split into, over the hosts (sync only)",
         "timeout": "seconds any single wait may take",
         "barrier_timeout": "seconds a sync step waits for a silent worker",
         "direct_channel": "push over a direct TCP connection to the holder",

@@ -70,13 +70,15 @@ def test_scaling_quick_measures_every_number_of_workers_against_gloo(tmp_path):
     stdout, rows = _run_quick("scaling.py", tmp_path)
     table = _table_rows(stdout, "| workers (1 MB) |")
     assert [r[0] for r in table] == ["2", "3"], stdout
-    for _, ours, gloo, ratio in table:
+    for _, ours, gloo, ratio, sharded, its_ratio in table:
         assert float(ours) > 0 and float(gloo) > 0 and RATIO.fullmatch(ratio)
+        # The holder in 2 shards, measured beside it.
+        assert float(sharded) > 0 and RATIO.fullmatch(its_ratio)
     # One worker in the holder's process, the others sharing memory with it.
     assert "3: local x1, direct/shared x2" in stdout
     assert [row["workload"] for row in rows] == [
         f"W5 scaling, 1 MB, sync, {n} workers (ms/step)" for n in (2, 3)]
-    for row, (n, ours, gloo, _) in zip(rows, table, strict=True):
+    for row, (n, ours, gloo, *_) in zip(rows, table, strict=True):
         assert row["goal"] == "≤ 1x" and row["ours"] == ours
         assert row["baseline"] == f"{gloo} (gloo all_reduce + SGD, {n} processes)"
         assert row["ratio"] > 0

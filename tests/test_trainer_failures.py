@@ -69,34 +69,39 @@ def test_killed_trainer_worker_is_dropped_and_the_run_completes(cluster_client, 
     assert torch.isfinite(flat_parameters(trainer.model)).all()
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [*PATHS, "shards"])
 def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_client, data,
                                                                      tmp_path, path):
     holder = _holder_address(cluster_client)
+    # In shards, one per worker process: the kill takes shard 0's.
+    options = {"holder_shards": 2} if path == "shards" else PATHS[path]
 
     def trainer(loss, holder_worker=holder):
         return dt.Trainer(mlp, loss, dt.optim.sgd(0.05, momentum=0.9), mode="sync",
                           workers=2, batch_size=8, holder_worker=holder_worker,
-                          checkpoint_every=10, progress=False, **PATHS[path])
+                          checkpoint_every=10, progress=False, **options)
 
     straight = trainer(mse)
     straight.fit(data, epochs=2, client=cluster_client)
     first = straight.history.epochs[0]
-    assert first["exchange_via"] == {"local": 1, "direct": 1}
-    # The worker outside the holder's process shared memory with it, or streamed its
-    # gradients in buckets.
-    direct = next(w for w in first["per_worker"] if w["transport"] is not None)
-    if path == "shared":
-        assert direct["transport"] == "shared" and direct["pushes_in_buckets"] == 0
+    if path == "shards":
+        assert first["exchange_via"] == {"shards:direct+local": 2}
     else:
-        assert direct["transport"] == "local" and direct["pushes_in_buckets"] == 100
+        assert first["exchange_via"] == {"local": 1, "direct": 1}
+        # The worker outside the holder's process shared memory with it, or streamed its
+        # gradients in buckets.
+        direct = next(w for w in first["per_worker"] if w["transport"] is not None)
+        if path == "shared":
+            assert direct["transport"] == "shared" and direct["pushes_in_buckets"] == 0
+        else:
+            assert direct["transport"] == "local" and direct["pushes_in_buckets"] == 100
 
     # 100 steps per epoch: the holder's process dies in the middle of epoch 1.
     loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=150,
                              holder=holder, on_holder=True)
     interrupted = trainer(loss)
     started = time.monotonic()
-    with pytest.raises(dt.HolderLost, match="resume with fit") as caught:
+    with pytest.raises(dt.HolderLost, match=r"died at version \d+; resume with fit") as caught:
         interrupted.fit(data, epochs=2, client=cluster_client, checkpoint=tmp_path / "run")
     assert time.monotonic() - started < 60
     assert str(tmp_path / "run" / "checkpoint.pt") in str(caught.value)
@@ -108,3 +113,26 @@ def test_killed_holder_fails_fast_and_the_checkpoint_resumes_exactly(cluster_cli
     torch.testing.assert_close(flat_parameters(resumed.model),
                                flat_parameters(straight.model), rtol=1e-5, atol=1e-6)
     assert [e["epoch"] for e in history.epochs] == [0, 1]
+
+
+def test_killed_trainer_worker_beside_holder_shards_is_dropped_and_the_run_completes(
+        data, tmp_path):
+    """Every shard drops the dead worker at its barrier, and the run completes. A cluster
+    of three processes: shards on two, so that the trainer killed in the third holds none."""
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        addresses = sorted(worker_info(client))
+        # Trainer w starts on addresses[w]; the shards go to addresses[2], then [0].
+        loss = functools.partial(kill_once, marker=str(tmp_path / "killed"), calls=20,
+                                 holder=addresses[1], on_holder=True)
+        trainer = dt.Trainer(mlp, loss, dt.optim.sgd(0.05), mode="sync", workers=2,
+                             batch_size=8, holder_worker=addresses[2], holder_shards=2,
+                             progress=False)
+        history = trainer.fit(data, epochs=2, client=client)
+    assert (tmp_path / "killed").exists()
+    assert [e["epoch"] for e in history.epochs] == [0, 1]
+    dropped = any("worker 1 dropped" in e for e in history.events)
+    rejoined = any("worker 1 rejoined" in e for e in history.events)
+    assert dropped or rejoined, history.events
+    assert history.contributors.count(2) >= 100
+    assert torch.isfinite(flat_parameters(trainer.model)).all()

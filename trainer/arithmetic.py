@@ -68,15 +68,17 @@ class Arithmetic:
 
     def __init__(self, layout: FlatLayout, initial: np.ndarray,
                  optimizer: OptimizerConfig, total_steps: int | None,
-                 clip: tuple[float | None, float | None] = (None, None)) -> None:
+                 clip: tuple[float | None, float | None] = (None, None),
+                 names: Sequence[str] | None = None) -> None:
         self.layout = layout
         self.clip = clip  # (global norm, value) the applied gradient is clipped to
         self.lr_factor = 1.0  # times the schedule (ReduceLROnPlateau)
         self.optimizer_config = optimizer
         self.total_steps = total_steps
         self._flat = torch.from_numpy(np.array(initial, dtype=np.float32))
+        # ``names``: the whole model's parameters, when ``layout`` holds a shard's slice.
         self._optim = FlatOptimizer(optimizer, self._flat[: layout.num_params],
-                                    layout.param_segments())
+                                    layout.param_segments(), names)
         self._optimizer = self._optim.optimizer
         self._average_buffer = torch.empty(layout.size, dtype=torch.float32)
         self.updates = 0  # optimizer steps taken (the schedule's step counter)

@@ -36,9 +36,12 @@ class Run:
     segments: tuple[Segment, ...]  # relative to ``start``
 
 
-def plan_runs(config: OptimizerConfig, segments: Sequence[Segment]) -> list[Run]:
-    """The runs of a flat buffer whose tensors lie at ``segments``."""
-    config.check_names([name for name, *_ in segments])
+def plan_runs(config: OptimizerConfig, segments: Sequence[Segment],
+              names: Sequence[str] | None = None) -> list[Run]:
+    """The runs of a flat buffer whose tensors lie at ``segments``; the groups' patterns
+    must match some of ``names``, the whole model's parameters (default: the segments',
+    which a holder's shard holds only some of)."""
+    config.check_names(list(names) if names is not None else [n for n, *_ in segments])
     runs: list[Run] = []
     pending: list[Segment] = []
     settings: tuple[float, float] | None = None
@@ -80,9 +83,9 @@ class FlatOptimizer:
     """
 
     def __init__(self, config: OptimizerConfig, params: torch.Tensor,
-                 segments: Sequence[Segment]) -> None:
+                 segments: Sequence[Segment], names: Sequence[str] | None = None) -> None:
         self.config = config
-        self.runs = plan_runs(config, segments)
+        self.runs = plan_runs(config, segments, names)
         self.params = [torch.nn.Parameter(params[r.start:r.stop]) for r in self.runs]
         by_settings: dict[tuple[float, float], list[int]] = {}
         for i, r in enumerate(self.runs):

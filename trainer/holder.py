@@ -35,6 +35,7 @@ from dasktrain.trainer.modes import Contribution, get_mode, mode_class
 from dasktrain.trainer.modes.base import Adjust, Adjusted
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.records import Records
+from dasktrain.trainer.shards import check_shards, shard_layouts
 
 __all__ = ["HolderConfig", "ParameterHolder"]
 
@@ -86,6 +87,9 @@ class HolderConfig:
     """Clip each applied (averaged) gradient to this global norm."""
     clip_grad_value: float | None = None
     """Clip each value of an applied gradient to ``[-v, v]`` (before the norm)."""
+    shard: tuple[int, int] | None = None
+    """``(k, K)``: this holder is shard k of K and keeps slice k of the parameters (see
+    :mod:`dasktrain.trainer.shards`)."""
 
     def __post_init__(self) -> None:
         if not callable(self.model):
@@ -97,6 +101,10 @@ class HolderConfig:
         if self.barrier_timeout <= 0 or self.check_interval <= 0:
             raise ValueError("barrier_timeout and check_interval must be positive")
         check_policy(self.on_nonfinite, self.nonfinite_patience)
+        if self.shard is not None:
+            check_shards(self.shard[1], self.mode, self.clip_grad_norm)
+            if not 0 <= self.shard[0] < self.shard[1]:
+                raise ValueError(f"shard must be (k, K) with 0 <= k < K, got {self.shard!r}")
 
 
 class ParameterHolder:
@@ -119,12 +127,21 @@ class ParameterHolder:
             raise TypeError(f"the model factory returned {type(model).__name__}, not a "
                             "torch.nn.Module")
         flat = FlatModel(model)
+        self.model_layout: FlatLayout = flat.layout
+        """The whole model's, which every worker's must be."""
+        state = flat.state()
         self.layout: FlatLayout = flat.layout
+        """What this holder keeps: the whole model's, or a shard's slice of it."""
+        if config.shard is not None:
+            (start, stop), self.layout = shard_layouts(flat.layout, config.shard[1])[
+                config.shard[0]]
+            state = state[start:stop]
         self.workers = config.workers
         self.optimizer = config.optimizer
-        self._arith = Arithmetic(self.layout, flat.state(), config.optimizer,
+        self._arith = Arithmetic(self.layout, state, config.optimizer,
                                  config.total_steps,
-                                 clip=(config.clip_grad_norm, config.clip_grad_value))
+                                 clip=(config.clip_grad_norm, config.clip_grad_value),
+                                 names=[name for name, _ in self.model_layout.params])
         self._version = 0
         self._epoch = 0
         self._epoch_start = 0
@@ -258,10 +275,10 @@ class ParameterHolder:
         """A worker (re)starts: check its model, hand it the parameters and its position."""
         self._check_usable()
         self._members.check(worker)
-        if layout != self.layout:
+        if layout != self.model_layout:
             raise ValueError(f"worker {worker}'s model does not match the holder's "
-                             f"({self.layout.describe_difference(layout)}): every worker "
-                             "must build the same model")
+                             f"({self.model_layout.describe_difference(layout)}): every "
+                             "worker must build the same model")
         before = self._members.set(worker, "active", address)
         if before in ("active", "lost"):
             self.record_event(f"worker {worker} rejoined on {address}")
@@ -547,6 +564,9 @@ class ParameterHolder:
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` of a holder of the same model and mode."""
+        if self.config.shard is None and state.get("shards"):
+            raise ValueError(f"the checkpoint was made by a holder in {len(state['shards'])} "
+                             f"shards; resume it with holder_shards={len(state['shards'])}")
         if state["layout"] != self.layout.fingerprint:
             raise ValueError("the checkpoint is of another model (its parameter layout "
                              "differs from this model's)")

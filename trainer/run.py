@@ -11,6 +11,7 @@ rerun and rejoins).
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import time
 import warnings
@@ -27,6 +28,7 @@ from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged
 from dasktrain.trainer.handle import HolderHandle
 from dasktrain.trainer.history import History
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.shards import HolderShards, shard_workers
 from dasktrain.trainer.update_log import UpdateLog
 from dasktrain.trainer.watch import PauseWatch
 from dasktrain.trainer.worker import WorkerConfig, run_worker
@@ -46,7 +48,8 @@ class FitRun:
                  checkpoint: str | None, checkpoint_every: int | None,
                  checkpoint_extra: Callable[[], dict[str, Any]], history: History,
                  progress: Any,
-                 on_records: Callable[[dict[str, list]], Any] | None = None) -> None:
+                 on_records: Callable[[dict[str, list]], Any] | None = None,
+                 shards: int = 1) -> None:
         self.client = client
         self.worker_config = worker_config
         self.timeout = timeout
@@ -72,29 +75,42 @@ class FitRun:
         self.addresses = sorted(workers)
         _warn_if_oversubscribed(worker_config, workers)
         self._gpu = any("GPU" in (w.get("resources") or {}) for w in workers.values())
-        target = holder_worker or _roomiest(workers)
-        if target not in workers:
-            raise ValueError(f"holder_worker {target!r} is not a worker of this cluster; "
-                             f"workers: {self.addresses}")
-        self._holder_future: Future = client.submit(
-            ParameterHolder, holder_config, actor=True, workers=[target],
-            allow_other_workers=False, pure=False)
+        if holder_worker is not None and holder_worker not in workers:
+            raise ValueError(f"holder_worker {holder_worker!r} is not a worker of this "
+                             f"cluster; workers: {self.addresses}")
+        if shards == 1:
+            targets = [holder_worker or _roomiest(workers)]
+            configs = [holder_config]
+        else:  # spread over the hosts (see dasktrain.trainer.shards)
+            targets = shard_workers(self.addresses, shards, holder_worker)
+            configs = [dataclasses.replace(holder_config, shard=(k, shards))
+                       for k in range(shards)]
+        self._holder_futures: list[Future] = [
+            client.submit(ParameterHolder, config, actor=True, workers=[target],
+                          allow_other_workers=False, pure=False)
+            for config, target in zip(configs, targets, strict=True)]
         try:
-            self.holder = self._await_holder(target, timeout)
+            actors = [self._await_holder(future, target, timeout)
+                      for future, target in zip(self._holder_futures, targets, strict=True)]
         except BaseException:
-            self._holder_future.cancel()
+            for future in self._holder_futures:
+                future.cancel()
             raise
-        self.holder_address = target
-        self._handle = HolderHandle(self.holder, timeout, client)
+        self.holder_address = ", ".join(targets)
+        # What the worker tasks get: the actor, or the list of shards.
+        self.holder: Any = actors[0] if shards == 1 else actors
+        self._handle: HolderHandle | HolderShards = (
+            HolderHandle(actors[0], timeout, client) if shards == 1 else
+            HolderShards(actors, timeout, client))
         self.version = 0
 
-    def _await_holder(self, target: str, timeout: float) -> Any:
+    def _await_holder(self, future: Future, target: str, timeout: float) -> Any:
         """The holder actor once it is built, failing within seconds if its worker is
         paused (it would never start)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._holder_future.result(timeout=1.0)
+                return future.result(timeout=1.0)
             except TimeoutError:
                 self._pauses.check(None, "starting the parameter holder")
                 if time.monotonic() >= deadline:
@@ -125,8 +141,9 @@ class FitRun:
         where = (f"resume with fit(..., resume={str(self.last_checkpoint)!r})"
                  if self.last_checkpoint else
                  "no checkpoint was written yet (pass checkpoint= to fit to have one)")
-        raise HolderLost(f"the parameter holder's worker {self.holder_address} died at "
-                         f"version {self.version}; {where}")
+        who = (self._handle.describe_lost() if isinstance(self._handle, HolderShards) else
+               f"the parameter holder's worker {self.holder_address}")
+        raise HolderLost(f"{who} died at version {self.version}; {where}")
 
     # -- epochs ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, fresh: bool) -> list[dict[str, Any]]:
@@ -183,8 +200,8 @@ class FitRun:
     def _stop_workers(self, futures: list[Future], exc: BaseException) -> None:
         try:
             if self.holder_alive():
-                self.holder.abort(f"the fit stopped: {type(exc).__name__}: {exc}").result(
-                    timeout=10)
+                self._handle.call("abort", f"the fit stopped: {type(exc).__name__}: "
+                                           f"{exc}").result(timeout=10)
         except Exception:  # best effort: the holder may be the thing that failed
             logger.debug("could not abort the holder", exc_info=True)
         self.client.cancel(futures)
@@ -292,10 +309,11 @@ class FitRun:
         self._pending_state = None
         try:
             if self.holder_alive():
-                self.holder.close().result(timeout=10)
+                self._handle.call("close").result(timeout=10)
         except Exception:
             logger.debug("could not close the holder", exc_info=True)
-        self._holder_future.release()
+        for future in self._holder_futures:
+            future.release()
 
 
 def _roomiest(workers: dict[str, dict[str, Any]]) -> str:

@@ -44,6 +44,7 @@ from dasktrain.trainer.inference import (
 from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.run import FitRun
+from dasktrain.trainer.shards import check_shards
 from dasktrain.trainer.update_log import UpdateLog, records_of
 from dasktrain.trainer.worker import LossFunction, WorkerConfig
 
@@ -165,6 +166,14 @@ class Trainer:
         When the cluster's workers declare a ``GPU`` resource, each trainer task asks for 1.
     holder_worker
         Address of the worker to hold the parameters; default: the one with most memory.
+        With ``holder_shards``, the worker of the first shard.
+    holder_shards
+        Split the holder into this many actors, each keeping a slice of whole parameter
+        tensors and its optimizer state, on workers spread over the cluster's hosts (see
+        :mod:`dasktrain.trainer.shards`): each host then carries its share of the exchange
+        instead of one holder's interface carrying every worker's. For clusters of several
+        machines; on one host, memory shared with a single holder costs less. ``sync``
+        mode only, without ``clip_grad_norm``. Default 1.
     timeout
         Seconds any single wait (a batch, an exchange) may take before failing.
     barrier_timeout
@@ -242,6 +251,7 @@ class Trainer:
         drop_last: bool = False,
         device: str | None = None,
         holder_worker: str | None = None,
+        holder_shards: int = 1,
         timeout: float = 300.0,
         barrier_timeout: float = 120.0,
         direct_channel: bool = True,
@@ -271,6 +281,7 @@ class Trainer:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         mode_class(mode).check(workers, mode_options)  # unknown modes and options fail here
+        check_shards(holder_shards, mode, clip_grad_norm)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if checkpoint_every is not None and checkpoint_every < 1:
@@ -295,6 +306,7 @@ class Trainer:
                                  "as_dict": bool(as_dict)}
         self.device = device
         self.holder_worker = holder_worker
+        self.holder_shards = holder_shards
         self.timeout = timeout
         self.barrier_timeout = barrier_timeout
         self.direct_channel = direct_channel
@@ -428,6 +440,7 @@ class Trainer:
             with cluster_client(client) as c:
                 run = FitRun(c, holder_config, worker_config,
                              holder_worker=self.holder_worker, timeout=self.timeout,
+                             shards=self.holder_shards,
                              checkpoint=str(checkpoint) if checkpoint is not None else None,
                              checkpoint_every=self.checkpoint_every,
                              checkpoint_extra=lambda: {

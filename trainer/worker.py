@@ -33,6 +33,7 @@ from dasktrain.trainer.notices import (
     taken_warnings,
     watch_this_thread,
 )
+from dasktrain.trainer.shards import ShardedHandle, open_handle
 from dasktrain.trainer.steps import StepContext, WorkerStep
 
 __all__ = ["WorkerConfig", "pick_device", "run_worker"]
@@ -76,7 +77,7 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
         torch.set_num_threads(config.torch_threads)
     device = pick_device(config.device)
     flat = FlatModel(config.model(), device)
-    handle = HolderHandle(holder, config.timeout)
+    handle = open_handle(holder, config.timeout)  # one actor, or a list of shards
     try:
         address = get_worker().address
     except ValueError:
@@ -98,7 +99,10 @@ def _step_for(config: WorkerConfig, flat: FlatModel, epoch: int) -> WorkerStep:
     return worker_step_class(config.mode)(flat, context)
 
 
-def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: torch.device,
+Handle = HolderHandle | ShardedHandle
+
+
+def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.device,
            worker: int, address: str | None, epoch: int, started: float) -> dict[str, Any]:
     strategy = _step_for(config, flat, epoch)
     info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer())
@@ -188,7 +192,7 @@ def _train(config: WorkerConfig, handle: HolderHandle, flat: FlatModel, device: 
             "pushes_in_buckets": in_buckets}
 
 
-def _readiness(strategy: WorkerStep, handle: HolderHandle, flat: FlatModel,
+def _readiness(strategy: WorkerStep, handle: Handle, flat: FlatModel,
                scale: LossScale) -> GradientReadiness | None:
     """Hooks that send a gradient bucket by bucket during backward, where that is exact:
     the mode pushes plain gradients, over the direct channel, from CPU memory (on CUDA the
@@ -201,7 +205,7 @@ def _readiness(strategy: WorkerStep, handle: HolderHandle, flat: FlatModel,
     return GradientReadiness(params, flat.layout, order)
 
 
-def _tell(handle: HolderHandle, worker: int, notices: list) -> None:
+def _tell(handle: Handle, worker: int, notices: list) -> None:
     """Hand warnings to the holder, for the driver (rare: nothing is sent when none)."""
     notices = [n for n in notices if n is not None]
     if notices:
