@@ -60,9 +60,12 @@ def test_shards_go_to_one_worker_per_host_in_turn():
                                          "tcp://10.0.0.3:7"]
     assert shard_workers(workers, 4) == ["tcp://10.0.0.1:5", "tcp://10.0.0.2:1",
                                          "tcp://10.0.0.3:7", "tcp://10.0.0.1:6"]
-    # The worker asked for takes shard 0; the others still spread.
+    # The worker asked for takes shard 0; the others go to the hosts after its own.
     assert shard_workers(workers, 2, first="tcp://10.0.0.2:2") == [
-        "tcp://10.0.0.2:2", "tcp://10.0.0.1:5"]
+        "tcp://10.0.0.2:2", "tcp://10.0.0.3:7"]
+    # ...and its host has a shard already: the next goes to another host.
+    assert shard_workers(workers, 3, first="tcp://10.0.0.1:5") == [
+        "tcp://10.0.0.1:5", "tcp://10.0.0.2:1", "tcp://10.0.0.3:7"]
     with pytest.raises(ValueError, match="needs as many workers"):
         shard_workers(workers, 6)
 
@@ -87,12 +90,16 @@ def regression(client, tmp_path_factory):
                       seed=5, progress=False)
 
 
-def test_sync_in_shards_equals_one_process(client, regression):
+@pytest.mark.parametrize("direct", [True, False])
+def test_sync_in_shards_equals_one_process(client, regression, direct):
     config = dt.optim.sgd(0.05, momentum=0.9)
     trainer = dt.Trainer(_net, mse, config, mode="sync", workers=2, batch_size=16,
-                         holder_shards=2, progress=False)
+                         holder_shards=2, direct_channel=direct, progress=False)
     history = trainer.fit(regression, epochs=2, client=client)
-    assert history.epochs[0]["exchange_via"] == {"shards:direct+local": 2}
+    # Each worker has one shard in its process and the other over the channel, or
+    # through the actor's calls, whose replies are arrays of their own.
+    via = "shards:direct+local" if direct else "shards:actor+local"
+    assert history.epochs[0]["exchange_via"] == {via: 2}
     expected = one_process(regression, _net, config, 32, 2, client)
     torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
                                atol=1e-6)

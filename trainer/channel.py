@@ -547,7 +547,11 @@ class ChannelClient:
         self._regions: shared.Regions | None = None
         self.shared: shared.Regions | None = None
         """The regions shared with the holder over the current connection, if any."""
-        self._connect()
+        try:
+            self._connect()
+        except BaseException:
+            self._close_file()
+            raise
         self._header = bytearray(_REPLY.size)
         self._pending = False
         self.order: Order = tuple((int(a), int(b)) for a, b in contact.get("order",
@@ -566,6 +570,7 @@ class ChannelClient:
                              f"{getattr(grads, 'shape', '?')}")
         data = None if grads is None else np.ascontiguousarray(grads)
         nbytes = -1 if data is None else data.nbytes
+        self._fresh()  # first: a new connection may share memory no more (or not yet)
         regions = self.shared
         if regions is not None and data is not None and data.size == self._size:
             if data.ctypes.data != regions.payload.ctypes.data:
@@ -609,6 +614,14 @@ class ChannelClient:
     def _start(self, version: int, count: int, loss: float, position: tuple[int, int],
                nbytes: int) -> _Wait:
         """Reconnect if the holder may have ended an idle connection; send the header."""
+        self._fresh()
+        self._last_push = time.monotonic()
+        wait = _Wait(self.timeout, "the holder to take a push")
+        self._send(_PUSH.pack(version, count, loss, position[0], position[1], nbytes), wait)
+        return wait
+
+    def _fresh(self) -> None:
+        """Connect afresh if the holder may have ended this connection for being idle."""
         if self._pending:
             raise TrainerError("a push is already waiting for its reply on this channel")
         if time.monotonic() - self._last_push > self._stale_after:
@@ -617,10 +630,6 @@ class ChannelClient:
                 self._connect()
             except OSError as exc:
                 raise self._lost(exc) from exc
-        self._last_push = time.monotonic()
-        wait = _Wait(self.timeout, "the holder to take a push")
-        self._send(_PUSH.pack(version, count, loss, position[0], position[1], nbytes), wait)
-        return wait
 
     def _sender(self, outbox: queue.SimpleQueue) -> None:
         """Sends queued buckets; a push's first failure is kept for its :meth:`finish`, and
@@ -787,14 +796,17 @@ class ChannelClient:
             self._sock.close()
 
     def stop(self) -> None:
-        """Close the connection and end the sender thread."""
+        """Close the connection, the shared memory file and end the sender thread."""
         self.close()
-        if self._file is not None:  # the mappings keep the memory while anyone uses it
-            os.close(self._file)
-            self._file = None
+        self._close_file()
         if self._outbox is not None:
             self._outbox.put(None)
             self._outbox = None
+
+    def _close_file(self) -> None:
+        if self._file is not None:  # the mappings keep the memory while anyone uses it
+            os.close(self._file)
+            self._file = None
 
 
 class OutgoingPush:

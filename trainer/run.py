@@ -198,12 +198,7 @@ class FitRun:
                 from exc
 
     def _stop_workers(self, futures: list[Future], exc: BaseException) -> None:
-        try:
-            if self.holder_alive():
-                self._handle.call("abort", f"the fit stopped: {type(exc).__name__}: "
-                                           f"{exc}").result(timeout=10)
-        except Exception:  # best effort: the holder may be the thing that failed
-            logger.debug("could not abort the holder", exc_info=True)
+        self._on_living("abort", f"the fit stopped: {type(exc).__name__}: {exc}")
         self.client.cancel(futures)
 
     def poll(self) -> None:
@@ -307,13 +302,22 @@ class FitRun:
 
     def close(self) -> None:
         self._pending_state = None
-        try:
-            if self.holder_alive():
-                self._handle.call("close").result(timeout=10)
-        except Exception:
-            logger.debug("could not close the holder", exc_info=True)
+        self._on_living("close")
         for future in self._holder_futures:
             future.release()
+
+
+    def _on_living(self, method: str, *args: Any) -> None:
+        """Best effort: ``method`` (abort, close) on the holder, or on every shard still
+        alive when one died (the others must not keep their sockets and threads)."""
+        try:
+            if isinstance(self._handle, HolderShards):
+                self.holder_alive()  # refreshes which shards live
+                self._handle.call_living(method, *args)
+            elif self.holder_alive():
+                self._handle.call(method, *args).result(timeout=10)
+        except Exception:  # the holder may be the thing that failed
+            logger.debug("could not %s the holder", method, exc_info=True)
 
 
 def _roomiest(workers: dict[str, dict[str, Any]]) -> str:

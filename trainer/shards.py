@@ -81,7 +81,7 @@ def shard_layouts(layout: FlatLayout, shards: int
 def shard_workers(workers: Sequence[str], shards: int, first: str | None = None) -> list[str]:
     """Where the shards go: one worker per host in turn (every host carries a share of the
     exchange before any carries two), the hosts and their workers in address order;
-    ``first``, if given, takes shard 0."""
+    ``first``, if given, takes shard 0, and the turn goes on from the host after its own."""
     if shards > len(workers):
         raise ValueError(f"holder_shards={shards} needs as many workers; the cluster has "
                          f"{len(workers)}")
@@ -89,9 +89,14 @@ def shard_workers(workers: Sequence[str], shards: int, first: str | None = None)
     for address in sorted(workers):
         if address != first:
             by_host.setdefault(_host(address), []).append(address)
+    hosts = sorted(by_host)
+    if first is not None:
+        # The round starts after ``first``'s host, which has its shard already.
+        hosts = [h for h in hosts if h > _host(first)] + [h for h in hosts
+                                                           if h <= _host(first)]
     order = [] if first is None else [first]
     while len(order) < shards:
-        for host in sorted(by_host):
+        for host in hosts:
             if by_host[host] and len(order) < shards:
                 order.append(by_host[host].pop(0))
     return order
@@ -112,21 +117,26 @@ def open_handle(holder: Any, timeout: float) -> HolderHandle | ShardedHandle:
 class _Joined:
     """Calls on every shard, merged into one result (``done``/``result`` like a future)."""
 
-    def __init__(self, futures: list[Any], merge: Callable[[list[Any]], Any],
-                 wait: Callable[[Any, float | None], Any]) -> None:
+    def __init__(self, handles: list[HolderHandle], futures: list[Any],
+                 merge: Callable[[list[Any]], Any], what: str) -> None:
+        self._handles = handles
         self._futures = futures
         self._merge = merge
-        self._wait = wait
+        self._what = what
 
     def done(self) -> bool:
-        return all(f.done() for f in self._futures)
+        """Every shard answered, or one failed (its error is then the result)."""
+        return all(f.done() for f in self._futures) or any(
+            f.done() and _failed(f) for f in self._futures)
 
     def result(self, timeout: float | None = None) -> Any:
+        """The merged answer; each shard's wait checks that shard's worker is alive, and
+        all together take at most ``timeout`` seconds (default: the handles')."""
         deadline = None if timeout is None else time.monotonic() + timeout
         results = []
-        for future in self._futures:
+        for k, (handle, future) in enumerate(zip(self._handles, self._futures, strict=True)):
             left = None if deadline is None else max(deadline - time.monotonic(), 0.01)
-            results.append(self._wait(future, left))
+            results.append(handle.wait(future, f"{self._what} (shard {k})", left))
         return self._merge(results)
 
 
@@ -168,16 +178,21 @@ class HolderShards:
                                                                 strict=True)]
         else:
             futures = [h.call(method, *args) for h in self.handles]
-        first = self.handles[0]
-        return _Joined(futures, _MERGE.get(method, _first),
-                       lambda f, t: first.wait(f, method, t))
+        return _Joined(self.handles, futures, _MERGE.get(method, _first), method)
 
     def request(self, method: str, *args: Any, what: str | None = None) -> Any:
         """Call and wait, failing clearly if a shard's worker dies."""
-        futures = self.call(method, *args)._futures
-        results = [h.wait(f, what or method) for h, f in zip(self.handles, futures,
-                                                               strict=True)]
-        return _MERGE.get(method, _first)(results)
+        joined = self.call(method, *args)
+        joined._what = what or method
+        return joined.result()
+
+    def call_living(self, method: str, *args: Any, timeout: float = 10.0) -> None:
+        """``method`` on every shard whose worker lives, as the last liveness check saw it
+        (to abort or close the others when one died); errors are the caller's to ignore."""
+        alive = self.last_workers
+        for handle in self.handles:
+            if alive is None or handle.address in alive:
+                handle.wait(handle.call(method, *args), method, timeout)
 
 
 class _ShardedPush:
@@ -257,7 +272,13 @@ class ShardedHandle:
         if not isinstance(future, _ShardedPush):
             raise TypeError("a sharded holder waits on its own pushes only")
         for k, (handle, part) in enumerate(zip(self.handles, future.futures, strict=True)):
-            _, self._versions[k] = handle.wait(part, f"{what} (shard {k})", timeout)
+            params, self._versions[k] = handle.wait(part, f"{what} (shard {k})", timeout)
+            start, stop = self._bounds[k]
+            into = self._into[start:stop]
+            # The channel and an in-process shard reply into the slice; the actor's calls
+            # hand back an array of their own.
+            if params.ctypes.data != into.ctypes.data:
+                np.copyto(into, params)
         return self._into, min(self._versions)
 
     def request(self, method: str, *args: Any, what: str | None = None) -> Any:
@@ -277,6 +298,14 @@ class ShardedHandle:
 
 
 # -- merging the shards' answers ---------------------------------------------------------
+def _failed(future: Any) -> bool:
+    try:
+        future.result(timeout=0)
+    except Exception:
+        return True
+    return False
+
+
 def _first(results: list[Any]) -> Any:
     return results[0]
 

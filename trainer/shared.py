@@ -64,7 +64,9 @@ def create(size: int) -> tuple[int, Regions]:
     nbytes = 8 * size
     fd = os.memfd_create("dasktrain-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, nbytes)
+        # Allocated now, not on first touch: a system short of memory fails here, clearly,
+        # rather than with SIGBUS in whichever process first writes a page.
+        os.posix_fallocate(fd, 0, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         memory = mmap.mmap(fd, nbytes)
     except BaseException:

@@ -186,8 +186,9 @@ class Trainer:
         through the holder actor's Dask calls, several milliseconds slower per step.
     shared_memory
         A worker on the holder's host (a LocalCluster, the GPUs of one machine) shares
-        memory with the holder over the direct channel: the holder reads its gradients
-        where backward wrote them and writes fresh parameters into its model, so no payload
+        memory with the holder over the direct channel. On the CPU the holder reads its
+        gradients where backward wrote them and writes fresh parameters into its model (on
+        CUDA the host copies go into and out of that memory instead), so no payload
         byte goes through a socket. False: payloads travel on the channel's local socket.
     bucket_bytes
         On the direct channel a gradient leaves in buckets of whole tensors of at least
