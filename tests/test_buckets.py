@@ -163,13 +163,6 @@ def test_a_streamed_push_to_a_server_gone_fails_naming_the_holder():
         channel.stop()
 
 
-@pytest.fixture(scope="module")
-def regression(client, tmp_path_factory):
-    out = tmp_path_factory.mktemp("buckets") / "reg.zarr"
-    return dt.prepare("regression", out, client=client, samples=320, width=4, chunk_rows=80,
-                      seed=5, progress=False)
-
-
 @pytest.mark.parametrize("unused", [False, True])
 def test_sync_with_a_gradient_in_many_buckets_equals_one_process(client, regression, unused):
     make = functools.partial(_net, unused=unused, norm=False)

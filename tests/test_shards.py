@@ -83,13 +83,6 @@ def test_settings_shards_cannot_honour_are_refused_by_name(options, message):
     check_shards(1, "async", 1.0)  # one holder: anything goes
 
 
-@pytest.fixture(scope="module")
-def regression(client, tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards") / "reg.zarr"
-    return dt.prepare("regression", out, client=client, samples=320, width=4, chunk_rows=80,
-                      seed=5, progress=False)
-
-
 @pytest.mark.parametrize("direct", [True, False])
 def test_sync_in_shards_equals_one_process(client, regression, direct):
     config = dt.optim.sgd(0.05, momentum=0.9)

@@ -570,7 +570,8 @@ class ChannelClient:
                              f"{getattr(grads, 'shape', '?')}")
         data = None if grads is None else np.ascontiguousarray(grads)
         nbytes = -1 if data is None else data.nbytes
-        self._fresh()  # first: a new connection may share memory no more (or not yet)
+        # First: a new connection decides whether memory is shared (or no longer is).
+        self._fresh()
         regions = self.shared
         if regions is not None and data is not None and data.size == self._size:
             if data.ctypes.data != regions.payload.ctypes.data:
@@ -596,6 +597,7 @@ class ChannelClient:
         sends the rest and returns the reply's :class:`PendingPush`. The caller must not
         write to a bucket after marking it ready."""
         size = self.order_size
+        self._fresh()
         if self.shared is not None:
             # The header would have the holder read the payload before it is written.
             raise TrainerError("a push over shared memory is not sent bucket by bucket")
@@ -613,8 +615,7 @@ class ChannelClient:
 
     def _start(self, version: int, count: int, loss: float, position: tuple[int, int],
                nbytes: int) -> _Wait:
-        """Reconnect if the holder may have ended an idle connection; send the header."""
-        self._fresh()
+        """Send the header (on a connection :meth:`_fresh` has just made sure of)."""
         self._last_push = time.monotonic()
         wait = _Wait(self.timeout, "the holder to take a push")
         self._send(_PUSH.pack(version, count, loss, position[0], position[1], nbytes), wait)

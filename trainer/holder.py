@@ -35,7 +35,7 @@ from dasktrain.trainer.modes import Contribution, get_mode, mode_class
 from dasktrain.trainer.modes.base import Adjust, Adjusted
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.records import Records
-from dasktrain.trainer.shards import check_shards, shard_layouts
+from dasktrain.trainer.shards import check_shards, shard_layouts, shard_states
 
 __all__ = ["HolderConfig", "ParameterHolder"]
 
@@ -564,9 +564,8 @@ class ParameterHolder:
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` of a holder of the same model and mode."""
-        if self.config.shard is None and state.get("shards"):
-            raise ValueError(f"the checkpoint was made by a holder in {len(state['shards'])} "
-                             f"shards; resume it with holder_shards={len(state['shards'])}")
+        if self.config.shard is None:  # a shard gets its own part, from the driver
+            shard_states(state, 1)
         if state["layout"] != self.layout.fingerprint:
             raise ValueError("the checkpoint is of another model (its parameter layout "
                              "differs from this model's)")

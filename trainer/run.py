@@ -306,7 +306,6 @@ class FitRun:
         for future in self._holder_futures:
             future.release()
 
-
     def _on_living(self, method: str, *args: Any) -> None:
         """Best effort: ``method`` (abort, close) on the holder, or on every shard still
         alive when one died (the others must not keep their sockets and threads)."""

@@ -47,7 +47,7 @@ from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.handle import HolderHandle
 
 __all__ = ["HolderShards", "ShardedHandle", "check_shards", "open_handle", "shard_layouts",
-           "shard_workers"]
+           "shard_states", "shard_workers"]
 
 
 def shard_layouts(layout: FlatLayout, shards: int
@@ -145,10 +145,8 @@ class HolderShards:
     answers are merged into what one holder would have said."""
 
     def __init__(self, actors: Sequence[Any], timeout: float, client: Any) -> None:
-        self.actors = list(actors)
-        self.timeout = timeout
         self._client = client
-        self.handles = [HolderHandle(a, timeout, client) for a in self.actors]
+        self.handles = [HolderHandle(a, timeout, client) for a in actors]
         self.address = ", ".join(h.address for h in self.handles)
         self.last_workers: dict[str, dict] | None = None
 
@@ -170,21 +168,19 @@ class HolderShards:
                 if h.address not in alive] or [f"of {self.address}"]
         return f"the worker of the parameter holder's shard {', '.join(lost)}"
 
-    def call(self, method: str, *args: Any) -> _Joined:
+    def call(self, method: str, *args: Any, what: str | None = None) -> _Joined:
         """Start ``method`` on every shard (``load_state_dict`` gives each its own part)."""
         if method == "load_state_dict":
-            parts = _shard_states(args[0], len(self.handles))
+            parts = shard_states(args[0], len(self.handles))
             futures = [h.call(method, part) for h, part in zip(self.handles, parts,
                                                                 strict=True)]
         else:
             futures = [h.call(method, *args) for h in self.handles]
-        return _Joined(self.handles, futures, _MERGE.get(method, _first), method)
+        return _Joined(self.handles, futures, _MERGE.get(method, _first), what or method)
 
     def request(self, method: str, *args: Any, what: str | None = None) -> Any:
         """Call and wait, failing clearly if a shard's worker dies."""
-        joined = self.call(method, *args)
-        joined._what = what or method
-        return joined.result()
+        return self.call(method, *args, what=what).result()
 
     def call_living(self, method: str, *args: Any, timeout: float = 10.0) -> None:
         """``method`` on every shard whose worker lives, as the last liveness check saw it
@@ -207,14 +203,9 @@ class ShardedHandle:
 
     def __init__(self, actors: Sequence[Any], timeout: float) -> None:
         self.handles = [HolderHandle(a, timeout) for a in actors]
-        self.timeout = timeout
         self._bounds: list[tuple[int, int]] = []
         self._versions = [0] * len(self.handles)
         self._into: np.ndarray | None = None
-
-    @property
-    def local(self) -> bool:
-        return any(h.local for h in self.handles)
 
     @property
     def via(self) -> str:
@@ -335,13 +326,16 @@ def _state(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _shard_states(state: dict[str, Any], shards: int) -> list[dict[str, Any]]:
+def shard_states(state: dict[str, Any], shards: int) -> list[dict[str, Any]]:
+    """Each shard's part of a holder's checkpointed state, refused with the number of shards
+    to resume with if it was made by another number."""
     parts = state.get("shards")
     found = 1 if parts is None else len(parts)
     if found != shards:
-        raise ValueError(f"the checkpoint was made by a holder in {found} shard(s); resume "
-                         f"it with holder_shards={found}, not {shards}")
-    return list(parts)
+        raise ValueError(f"the checkpoint was made by a holder in {found} "
+                         f"shard{'s' if found > 1 else ''}; resume it with "
+                         f"holder_shards={found}, not {shards}")
+    return [state] if parts is None else list(parts)
 
 
 def _pull(results: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
