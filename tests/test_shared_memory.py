@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from dasktrain.trainer import channel as channel_module
 from dasktrain.trainer import shared
 from dasktrain.trainer.arithmetic import Lease
 from dasktrain.trainer.channel import ChannelClient
@@ -21,6 +22,8 @@ from dasktrain.trainer.flat import FlatModel
 from tests.common.channel import serve_channel
 
 SIZE = 1000
+# Replies this large are copied into the region on the channel's threads, not on its loop.
+THREADED = channel_module._COPY_INLINE_BYTES // 4 + 1
 
 pytestmark = pytest.mark.skipif(not shared.supported(), reason="Linux memory files only")
 
@@ -58,9 +61,9 @@ def test_the_holder_maps_only_a_sealed_file_of_the_payload_size():
 class _Recorder:
     """A holder's push that keeps each payload it was handed (not a copy) and echoes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
         self.seen: list[np.ndarray | None] = []
-        self.params = np.zeros(SIZE, np.float32)
+        self.params = np.zeros(size, np.float32)
 
     async def __call__(self, worker, version, grads, count, loss, position) -> Lease:
         self.seen.append(grads)
@@ -69,24 +72,26 @@ class _Recorder:
         return Lease(self.params, version + 1, None)
 
 
-def test_a_push_over_shared_memory_hands_the_holder_the_workers_own_memory():
-    recorder = _Recorder()
-    with serve_channel(recorder, SIZE) as server:
-        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True)
+@pytest.mark.parametrize("size", [SIZE, THREADED], ids=["reply copied on the loop",
+                                                        "reply copied on a thread"])
+def test_a_push_over_shared_memory_hands_the_holder_the_workers_own_memory(size):
+    recorder = _Recorder(size)
+    with serve_channel(recorder, size) as server:
+        channel = ChannelClient(server.contact(0), 0, size, 10, lambda: True)
         try:
             assert channel.shared is not None
             regions = channel.shared
             channel.receive_into(regions.reply)
-            regions.payload[:] = np.arange(SIZE, dtype=np.float32)
+            regions.payload[:] = np.arange(size, dtype=np.float32)
             params, version = channel.push(0, regions.payload, 1, 0.0, (0, 1)).result(10)
             # The reply was written into the region the worker reads, nothing copied here.
             assert params is regions.reply and version == 1
-            assert np.array_equal(params, np.arange(SIZE))
+            assert np.array_equal(params, np.arange(size, dtype=np.float32))
             # The holder read the worker's memory itself: a later write shows through.
             regions.payload[0] = -1.0
             assert recorder.seen[-1][0] == -1.0
             # A payload elsewhere is copied in first, and goes the same way.
-            other = np.full(SIZE, 3.0, np.float32)
+            other = np.full(size, 3.0, np.float32)
             params, _ = channel.push(1, other, 1, 0.0, (0, 2)).result(10)
             assert (params == 3.0).all() and (recorder.seen[-1] == 3.0).all()
             # A push without a batch carries nothing, and still gets the parameters.
@@ -100,7 +105,7 @@ def test_a_push_over_shared_memory_hands_the_holder_the_workers_own_memory():
 
 
 def test_a_holder_that_does_not_share_memory_gets_the_bytes():
-    recorder = _Recorder()
+    recorder = _Recorder(SIZE)
     with serve_channel(recorder, SIZE, shared_memory=False) as server:
         assert server.contact(0)["shared"] is False
         contact = dict(server.contact(0), shared=True)  # offered anyway: declined
