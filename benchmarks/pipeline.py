@@ -18,7 +18,7 @@ Measured side by side in one run, medians of ``--repeats``:
    against a plain sequential zarr read of the same arrays in one process.
 
 Run: ``.venv/bin/python benchmarks/pipeline.py`` (``--costs 5 30 --repeats 3``; ``--quick``:
-C = 5 on 16,384 rows, once). ``dasktrain bench`` runs it among the others.
+C = 5 on 8,192 rows, once). ``dasktrain bench`` runs it among the others.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ ROWS, WIDTH, CHUNK, BATCH, STEP_S = 200_192, 32, 8_192, 256, 0.020
 _MAT = np.random.default_rng(0).standard_normal((48, 48))
 # shared/benchmarks.md, W1: the stall to reach from the first epoch, per transform cost C.
 GOALS = {5.0: "≤ 2 % stall", 30.0: "≤ 5 % stall"}
-QUICK = {"costs": [5.0], "repeats": 1, "rows": 16_384}
+QUICK = {"costs": [5.0], "repeats": 1, "rows": 8_192}
 
 
 def _spin(iterations: int) -> None:
@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fetch batches straight from the workers, not via the scheduler "
                              "(default: as a plain Client does)")
     args = parse_with_quick(parser, argv, QUICK,
-                            "seconds, not minutes: C = 5 on 16,384 rows, once (rough figures)")
+                            "seconds, not minutes: C = 5 on 8,192 rows, once (rough figures)")
     return args
 
 
