@@ -280,9 +280,6 @@ class ShardedHandle:
         results = [h.wait(f, what or method) for h, f in zip(targets, futures, strict=True)]
         return results[0]
 
-    def holder_alive(self) -> bool:
-        return all(h.holder_alive() for h in self.handles)
-
     def close(self) -> None:
         for handle in self.handles:
             handle.close()
