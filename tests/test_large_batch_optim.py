@@ -48,10 +48,12 @@ def _reference_lars(params, grads, state, lr, config):
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
         adapted = _adapted(p, config)
         d = g + config.weight_decay * p if adapted else g
-        w_norm, d_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(d)
+        # You et al. 2017, Algorithm 1: eta * |w| / (|g| + beta * |w|), beta the decay.
+        w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
         local_lr = 1.0
-        if adapted and w_norm > 0 and d_norm > 0:
-            local_lr = config.trust_coefficient * w_norm / (d_norm + config.eps)
+        if adapted and w_norm > 0 and g_norm > 0:
+            local_lr = config.trust_coefficient * w_norm / (
+                g_norm + config.weight_decay * w_norm + config.eps)
         v = state.get(i, torch.zeros_like(p))
         state[i] = config.momentum * v + lr * local_lr * d
         p -= state[i]
@@ -270,3 +272,22 @@ def test_lamb_trains_at_a_large_batch_and_rate_where_sgd_does_not(client, wide_r
     assert losses["lamb"] < target, losses
     assert not losses["sgd-momentum"] < target, losses
     assert not losses["sgd"] < target, losses
+
+
+def test_lars_trust_ratio_is_the_papers_with_weight_decay():
+    """One step on one tensor, against numbers worked out by hand from You et al. 2017's
+    Algorithm 1: local_lr = eta * |w| / (|g| + beta * |w|), update lr * local_lr * (g + beta w).
+    The variant eta * |w| / |g + beta w| gives another step here."""
+    w = torch.tensor([[3.0, 4.0]])         # |w| = 5
+    g = torch.tensor([[-0.6, -0.8]])       # |g| = 1, and |g + 0.1 w| = 0.5
+    eta, beta, lr = 0.02, 0.1, 1.0
+    local_lr = eta * 5.0 / (1.0 + beta * 5.0)                    # = 0.0666...
+    expected = w - lr * local_lr * (g + beta * w)
+    other = w - lr * eta * 5.0 / torch.linalg.vector_norm(g + beta * w) * (g + beta * w)
+    assert not torch.allclose(expected, other)
+    param = w.clone()
+    optimizer = dt.optim.lars(lr, momentum=0.0, weight_decay=beta, trust_coefficient=eta,
+                              eps=0.0).build([param])
+    param.grad = g.clone()
+    optimizer.step()
+    torch.testing.assert_close(param, expected)

@@ -111,16 +111,16 @@ def _adapted(shape: tuple[int, ...], group: dict[str, Any]) -> bool:
     return len(shape) > 1 or not group["exclude_bias_and_norm"]
 
 
-def _scale_by_trust_ratio(weights: torch.Tensor, update: torch.Tensor, coefficient: float,
-                          eps: float) -> None:
-    """``update *= coefficient * |weights| / (|update| + eps)``, or by 1 where either norm
-    is 0 (a zero-initialised tensor must still move; a zero update stays zero)."""
+def _trust_ratio(weights: torch.Tensor, update: torch.Tensor, coefficient: float,
+                 eps: float, decay: float = 0.0) -> torch.Tensor:
+    """``coefficient * |weights| / (|update| + decay * |weights| + eps)``, or 1 where either
+    norm is 0 (a zero-initialised tensor must still move; a zero update stays zero). A 0-d
+    tensor: no host synchronisation per segment."""
     weight_norm = torch.linalg.vector_norm(weights)
     update_norm = torch.linalg.vector_norm(update)
-    # 0-d tensors throughout: no host synchronisation per segment.
-    ratio = torch.where((weight_norm > 0) & (update_norm > 0),
-                        coefficient * weight_norm / (update_norm + eps), 1.0)
-    update.mul_(ratio)
+    return torch.where((weight_norm > 0) & (update_norm > 0),
+                       coefficient * weight_norm / (update_norm + decay * weight_norm + eps),
+                       1.0)
 
 
 class LARS(_PerTensorOptimizer):
@@ -129,10 +129,14 @@ class LARS(_PerTensorOptimizer):
     Per tensor ``w`` with gradient ``g`` (tensors of at most one dimension skip the first
     two lines when ``exclude_bias_and_norm``)::
 
-        d = g + weight_decay * w
-        local_lr = trust_coefficient * |w| / (|d| + eps)   if |w| > 0 and |d| > 0, else 1
-        v = momentum * v + lr * local_lr * d                (v starts at 0)
+        local_lr = trust_coefficient * |w| / (|g| + weight_decay * |w| + eps)
+                                                      if |w| > 0 and |g| > 0, else 1
+        v = momentum * v + lr * local_lr * (g + weight_decay * w)   (v starts at 0)
         w = w - v
+
+    The trust ratio is the paper's (Algorithm 1, with ``beta`` the weight decay) and apex
+    LARC's: the decay enters the denominator as ``weight_decay * |w|``, not through the norm
+    of ``g + weight_decay * w`` (which would let the two partly cancel).
 
     See :func:`lars` for the parameters; ``segments`` as in :meth:`OptimizerConfig.build`.
     """
@@ -149,14 +153,17 @@ class LARS(_PerTensorOptimizer):
     def _update(self, group: dict[str, Any], param: torch.Tensor, weights: torch.Tensor,
                 grad: torch.Tensor) -> None:
         lr, momentum = group["lr"], group["momentum"]
-        # d = local_lr * (g + wd * w), built in one scratch copy of the gradient.
+        # d = local_lr * (g + wd * w), built in one scratch copy of the gradient; the ratio
+        # is taken from g before the decay is added.
         update = grad.clone()
+        decay = group["weight_decay"]
         for start, stop, shape in self._spans_of(param):
             if _adapted(shape, group):
                 w, d = weights[start:stop], update[start:stop]
-                if group["weight_decay"]:
-                    d.add_(w, alpha=group["weight_decay"])
-                _scale_by_trust_ratio(w, d, group["trust_coefficient"], group["eps"])
+                ratio = _trust_ratio(w, d, group["trust_coefficient"], group["eps"], decay)
+                if decay:
+                    d.add_(w, alpha=decay)
+                d.mul_(ratio)
         if momentum:
             state = self.state[param]
             if "momentum_buffer" not in state:
@@ -214,5 +221,5 @@ class LAMB(_PerTensorOptimizer):
                 w, u = weights[start:stop], update[start:stop]
                 if group["weight_decay"]:
                     u.add_(w, alpha=group["weight_decay"])
-                _scale_by_trust_ratio(w, u, 1.0, 0.0)
+                u.mul_(_trust_ratio(w, u, 1.0, 0.0))
         weights.sub_(update, alpha=group["lr"])

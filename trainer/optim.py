@@ -351,7 +351,8 @@ def adamw(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: f
 def lars(lr: float, *, momentum: float = 0.9, weight_decay: float = 0.0,
          trust_coefficient: float = 0.001, eps: float = 1e-8,
          exclude_bias_and_norm: bool = True, **schedule: Any) -> OptimizerConfig:
-    """LARS: momentum SGD with a per-tensor learning rate ``trust_coefficient * |w| / |g|``.
+    """LARS: momentum SGD with a per-tensor learning rate
+    ``trust_coefficient * |w| / (|g| + weight_decay * |w|)``.
 
     For large global batches (You et al. 2017, "Large Batch Training of Convolutional
     Networks"); the update is written out in :class:`LARS`. Learning rates are typically
@@ -364,7 +365,8 @@ def lars(lr: float, *, momentum: float = 0.9, weight_decay: float = 0.0,
     momentum
         Momentum of the (learning-rate-scaled) update.
     weight_decay
-        L2 penalty added to the gradient before the trust ratio.
+        L2 penalty: added to the gradient, and ``weight_decay * |w|`` to the trust
+        ratio's denominator (the paper's and apex LARC's ratio).
     trust_coefficient
         How far one update may move a tensor, relative to its norm.
     eps
