@@ -444,6 +444,24 @@ def test_ssp_holds_the_fast_worker_within_the_bound(client, regression, bound):
     assert max(applied) <= 2 * bound + 1, applied
 
 
+def test_ssp_version_staleness_stays_within_its_stated_bound_with_three_workers(client,
+                                                                                 regression):
+    """(N - 1)(2s + 1), the README's bound, with N = 3 workers on two processes, one slow:
+    the clock bound holds and no gradient misses more versions than the bound allows."""
+    addresses = sorted(worker_info(client))
+    bound, workers = 1, 3
+    trainer = dt.Trainer(mlp, functools.partial(slow_on, address=addresses[1], delay=0.02),
+                         dt.optim.sgd(0.05), mode="ssp", workers=workers, batch_size=BATCH,
+                         holder_worker=addresses[0], progress=False, timeout=60,
+                         barrier_timeout=30, staleness_bound=bound)
+    history = trainer.fit(regression, epochs=1, client=client)
+    assert history.updates == SAMPLES // BATCH and sum(history.samples) == SAMPLES
+    assert max(history.clock_lead) <= bound
+    applied = history.applied_staleness
+    assert len(applied) == SAMPLES // BATCH and min(applied) >= 0
+    assert max(applied) <= (workers - 1) * (2 * bound + 1), applied
+
+
 def test_without_the_bound_the_fast_worker_runs_far_ahead(client, regression):
     """The same run in ``async``: the fast worker's lead grows past any SSP bound used
     above (so the SSP checks can fail)."""

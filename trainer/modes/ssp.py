@@ -8,8 +8,11 @@ applied gradient records that lead as ``clock_lead`` (always <= s). With s = 0 t
 move in lock-step, one gradient each per clock.
 
 The bound is on clocks, as in SSP: the version staleness of a gradient (recorded for every
-mode) also counts the other workers' gradients applied meanwhile, up to about
-(N - 1)(s + 1). A worker that finished its share of the epoch, or died (the watchdog drops
+mode) also counts the other workers' gradients applied meanwhile, at most (N - 1)(2s + 1)
+while membership is fixed. A worker computing from clock c received its parameters at most s
+ahead of the slowest (so every other worker was at clock >= c - s then), and while it
+computes the slowest is at most c, so another worker may push until it is s + 1 past that:
+2s + 1 gradients each. A worker that finished its share of the epoch, or died (the watchdog drops
 it), no longer holds the others back. Options of :mod:`.adjust` apply too.
 """
 
