@@ -50,6 +50,7 @@ from distributed import Client, LocalCluster
 from torch.nn.parallel import DistributedDataParallel
 
 import dasktrain as dt
+from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.bench import (
     Ratio,
     baseline_environment,
@@ -231,7 +232,7 @@ def main() -> None:
     one_piece: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dasktrain-w4-") as tmp, \
             LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
-                         host="127.0.0.1", dashboard_address=None) as cluster, \
+                         host="127.0.0.1", **NO_DASHBOARD) as cluster, \
             Client(cluster) as client:
         path = str(Path(tmp) / "regression.zarr")
         data = dt.prepare("regression", path, client=client, samples=args.rows,

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
-from dasktrain._cluster import worker_info
+from dasktrain._cluster import NO_DASHBOARD, worker_info
 from dasktrain.bench import (
     Ratio,
     baseline_environment,
@@ -198,7 +198,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     with LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
-                      host="127.0.0.1", dashboard_address=None) as cluster, \
+                      host="127.0.0.1", **NO_DASHBOARD) as cluster, \
             Client(cluster) as client:
         for mb in args.sizes:
             size = int(mb * 1e6 / 4)

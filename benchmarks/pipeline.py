@@ -39,6 +39,7 @@ import zarr
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
+from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 ROWS, WIDTH, CHUNK, BATCH, STEP_S = 200_192, 32, 8_192, 256, 0.020
@@ -228,7 +229,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, \
             LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                         host="127.0.0.1", dashboard_address=None) as cluster, \
+                         host="127.0.0.1", **NO_DASHBOARD) as cluster, \
             Client(cluster, direct_to_workers=args.direct) as client:
         ds = make_data(Path(tmp), client, args.rows)
         path = Path(tmp) / "w1.zarr"

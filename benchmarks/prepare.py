@@ -57,7 +57,7 @@ import zarr
 from distributed import Client, LocalCluster
 
 import dasktrain
-from dasktrain._cluster import start_local_cluster
+from dasktrain._cluster import NO_DASHBOARD, start_local_cluster
 from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 from dasktrain.datasets.format import chunk_rows_for
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 "more-tuned": dask(client, "more-tuned", **tuned, **MORE_WORK),
             }, args.repeats, failed)
         with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                          host="127.0.0.1", dashboard_address=None,
+                          host="127.0.0.1", **NO_DASHBOARD,
                           silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
             client.wait_for_workers(args.workers)
             own = measure({"base-own": baseline(default_rows),

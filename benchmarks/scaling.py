@@ -40,6 +40,7 @@ from distributed import Client, LocalCluster
 # benchmarks/holder.py, is on sys.path).
 from holder import dasktrain_step, gloo_step
 
+from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 # shared/benchmarks.md, W5: the step time to reach, as a ratio to gloo's, at every N.
@@ -82,7 +83,7 @@ def measure(workers: int, size: int, args: argparse.Namespace
     ours, theirs, sharded = [], [], []
     placement = ""
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      host="127.0.0.1", dashboard_address=None) as cluster, \
+                      host="127.0.0.1", **NO_DASHBOARD) as cluster, \
             Client(cluster) as client:
         client.wait_for_workers(workers, timeout=120)
         for _ in range(args.repeats):

@@ -64,6 +64,7 @@ import torch
 from distributed import Client, LocalCluster, get_worker
 
 import dasktrain as dt
+from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 ROWS, FEATURES, CLASSES, HIDDEN, BATCH = 24_576, 32, 10, 128, 128
@@ -359,7 +360,7 @@ def main() -> None:
     results: dict[tuple[str, bool], list[tuple[dt.History, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, \
             LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
-                         dashboard_address=None) as cluster, \
+                         **NO_DASHBOARD) as cluster, \
             Client(cluster) as client:
         data = make_data(Path(tmp), client, args.rows)
         t0 = time.perf_counter()

@@ -29,7 +29,7 @@ import torch
 from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
-from dasktrain._cluster import worker_info
+from dasktrain._cluster import NO_DASHBOARD, worker_info
 from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.handle import HolderHandle
@@ -144,7 +144,7 @@ def main() -> None:
     ours, bare, single = [], [], []
     placement = ""
     with LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
-                      host="127.0.0.1", dashboard_address=None) as cluster, \
+                      host="127.0.0.1", **NO_DASHBOARD) as cluster, \
             Client(cluster) as client:
         # Warm-up: imports, first connections.
         holder_updates_per_second(client, min(1.0, args.seconds), True)

@@ -87,6 +87,15 @@ def _worker_malloc_settings() -> Iterator[None]:
                 os.environ[key] = value
 
 
+NO_DASHBOARD: dict = {
+    "dashboard_address": None,
+    # Without a dashboard the scheduler still serves its HTTP routes, on port 8787 by default,
+    # and warns when another cluster holds it: any free loopback port instead.
+    "scheduler_kwargs": {"dashboard_address": "127.0.0.1:0"},
+}
+"""``LocalCluster`` options for clusters that show no dashboard (benchmarks, tests)."""
+
+
 def default_local_cluster_options(
     n_workers: int | None = None, memory_limit: str | float | None = None
 ) -> dict:
