@@ -19,7 +19,7 @@ STAMP := $(VENV)/.dasktrain-installed
 DEMO_DIR ?= data
 RUNS_DIR ?= runs
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint docs bench clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The documentation site (docs/, API reference from the docstrings) into site/.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 # The pipeline, holder, update-throughput, scaling, straggler and end-to-end benchmarks, then
 # one table of their ratios (their own reports on stderr); preparation has its own table.
 bench: setup
@@ -58,4 +62,4 @@ bench: setup
 	$(PY) benchmarks/prepare.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -55,6 +55,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'dasktrain' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The lazily imported names too, for tab completion and documentation tools.
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "Callback",
     "Dataset",

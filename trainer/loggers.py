@@ -187,6 +187,8 @@ class MLflowLogger(Callback):
     every
         Log the loss of every n-th update only (epoch metrics are always logged).
 
+    Notes
+    -----
     Inside ``with mlflow.start_run():`` (and no argument given) the fit logs to that run
     and leaves it open. Needs ``mlflow`` (``pip install "dasktrain[mlflow]"``).
     """

@@ -1,0 +1,36 @@
+"""MkDocs hook: lay out the package as it installs, for the API reference.
+
+The components live at the repository root (``datasets/``, ``pipeline/``, ``trainer/``) and
+install as ``dasktrain.*`` through setuptools' package-dir mapping, which static analysis does
+not follow. Before the pages are read, a tree of links under ``build/docs-src`` shows them
+where Python sees them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+COMPONENTS = ("datasets", "pipeline", "trainer")
+
+
+def on_config(config: Any) -> Any:
+    root = Path(config.config_file_path).resolve().parent
+    tree = root / "build" / "docs-src" / "dasktrain"
+    if tree.parent.exists():
+        shutil.rmtree(tree.parent)
+    _link_files(root / "dasktrain", tree)
+    for component in COMPONENTS:
+        _link_files(root / component, tree / component)
+    return config
+
+
+def _link_files(source: Path, target: Path) -> None:
+    """Real folders of links to the ``.py`` files (the loader does not walk linked folders)."""
+    for path in source.rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        link = target / path.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(path)
