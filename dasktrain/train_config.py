@@ -214,6 +214,9 @@ def _loss(r: _Reader) -> tuple[Callable, dict[str, Any]]:
     return r.bound("loss", fn, kwargs), {"name": name, "kwargs": kwargs}
 
 
+_FACTORIES = ("sgd", "adam", "adamw", "lars", "lamb")
+
+
 def _optimizer(r: _Reader) -> Any:
     from dasktrain.trainer import optim
 
@@ -224,14 +227,17 @@ def _optimizer(r: _Reader) -> Any:
     options = {k: r.typed("optimizer", k, v, fields[k]) for k, v in table.items()
                if k != "name"}
     try:
-        optim.OptimizerConfig(name=name, lr=1.0)  # is the name known?
+        optim.optimizer_kind(name)  # is the name known?
     except ValueError as exc:
         raise r.error("optimizer", "name", str(exc)) from None
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
     if "groups" in options:
         options["groups"] = [_group(r, i, g) for i, g in enumerate(options["groups"])]
-    factory = getattr(optim, name)  # dt.optim.<name>: its own defaults (adamw's decay...)
+    # dt.optim.<name> where there is one: its own defaults (adamw's decay...).
+    factory = getattr(optim, name, None) if name in _FACTORIES else None
+    if factory is None:  # "torch" (with torch_class) and registered optimizers
+        factory = functools.partial(optim.get_optimizer, name)
     try:
         inspect.signature(factory).bind(**options)
         return factory(**options)

@@ -58,7 +58,8 @@ _DOCS: dict[str, dict[str, str]] = {
         "kwargs": "keyword arguments bound to the loss (e.g. {label_smoothing = 0.1})",
     },
     "optimizer": {
-        "name": "sgd | adam | adamw | lars | lamb (defaults below: dt.optim.<name>'s)",
+        "name": "sgd | adam | adamw | lars | lamb (defaults below: dt.optim.<name>'s), "
+                "or torch (any element-wise torch.optim class, see torch_class)",
         "lr": "base learning rate",
         "momentum": "SGD and LARS momentum",
         "nesterov": "SGD Nesterov momentum (needs momentum > 0)",
@@ -74,6 +75,8 @@ _DOCS: dict[str, dict[str, str]] = {
         "total_steps": "length of the cosine/linear decay (default: the fit's updates)",
         "step_size": "`step` schedule: updates between decays",
         "gamma": "`step` schedule: factor per decay",
+        "torch_class": "name = \"torch\": the class, e.g. \"torch.optim.RMSprop\"",
+        "options": "the optimizer's own keyword arguments, e.g. {alpha = 0.9}",
     },
     "trainer": {
         "epochs": "epochs to train (counted from 0; a --resume runs the rest)",

@@ -10,7 +10,7 @@ import torch
 
 import dasktrain as dt
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.flat_optim import FlatOptimizer, plan_runs
+from dasktrain.trainer.optim.flat import FlatOptimizer, plan_runs
 from tests.common.training import flat_parameters, mse
 
 

@@ -29,7 +29,7 @@ import torch
 
 from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.flat_optim import FlatOptimizer
+from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.optim import OptimizerConfig
 
 __all__ = ["INLINE_SIZE", "Arithmetic", "Lease", "as_tensor"]

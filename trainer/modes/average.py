@@ -24,7 +24,7 @@ import torch
 
 from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout, FlatModel
-from dasktrain.trainer.flat_optim import FlatOptimizer, state_size
+from dasktrain.trainer.optim.flat import FlatOptimizer, state_size
 from dasktrain.trainer.modes.base import Contribution, Host
 from dasktrain.trainer.modes.rounds import RoundMode
 from dasktrain.trainer.optim import OptimizerConfig

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dasktrain.trainer.large_batch import Segment
-from dasktrain.trainer.optim import OptimizerConfig
-from dasktrain.trainer.optim_state import StateLayout
+from dasktrain.trainer.optim.config import OptimizerConfig
+from dasktrain.trainer.optim.large_batch import Segment
+from dasktrain.trainer.optim.state import StateLayout
 
 __all__ = ["FlatOptimizer", "Run", "plan_runs", "state_size"]
 

@@ -1,26 +1,12 @@
-"""Optimizers that run on the parameter holder, described by small config objects.
+"""What optimizer the holder runs, as plain data: :class:`OptimizerConfig` and parameter
+groups (:class:`ParamGroup`).
 
-``dt.optim.sgd(lr=0.1, momentum=0.9)`` is a :class:`OptimizerConfig`: plain data, cheap to
-send to the holder's worker and to store in a checkpoint. The holder builds the
-``torch.optim`` optimizer from it over one flat parameter buffer: SGD (momentum, Nesterov,
-weight decay), Adam and AdamW all update element by element, so optimising the flat buffer
-is the same as optimising the model's tensors one by one.
-
-The large-batch optimizers LARS and LAMB are not element-wise: each scales a tensor's
-update by a *trust ratio* of that tensor's norms. They take the flat buffer together with
-its segments (:meth:`dasktrain.trainer.flat.FlatLayout.param_segments`, one per model
-tensor) and compute one ratio per segment, so the holder's flat buffer gives the same
-updates as the model's own tensors.
-
-Parameter groups (:func:`group`) give tensors chosen by name their own learning rate and
-weight decay, and ``exclude_bias_and_norm=True`` takes biases and normalisation weights out
-of weight decay, as the usual ``no_decay`` list of a torch training script does. The holder
-keeps its flat buffer: it optimises each run of consecutive tensors that share settings as
-one view of it (:mod:`dasktrain.trainer.flat_optim`).
-
-The learning rate at update ``t`` is ``lr x warmup(t) x schedule(t)``, set on the optimizer
-before every step (no ``torch.optim.lr_scheduler`` object: its state would hold callables,
-which a safe checkpoint cannot).
+A config is cheap to send to the holder's worker and to store in a checkpoint; the holder
+builds the ``torch.optim`` optimizer from it (:meth:`OptimizerConfig.build`, through the
+registry in :mod:`.registry`). The learning rate at update ``t`` is
+``lr x warmup(t) x schedule(t)``, set on the optimizer before every step (no
+``torch.optim.lr_scheduler`` object: its state would hold callables, which a safe checkpoint
+cannot).
 """
 
 from __future__ import annotations
@@ -32,15 +18,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
 
-    from dasktrain.trainer.large_batch import Segments
+    from dasktrain.trainer.optim.large_batch import Segments
 
-__all__ = ["OptimizerConfig", "ParamGroup", "adam", "adamw", "get_optimizer", "group", "lamb",
-           "lars", "sgd"]
+__all__ = ["OptimizerConfig", "ParamGroup", "group"]
 
 _SCHEDULES = ("constant", "cosine", "linear", "step")
-_PER_TENSOR = ("lars", "lamb")  # optimizers that are not element-wise
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,8 +75,10 @@ class OptimizerConfig:
     """What optimizer the holder runs and how its learning rate changes."""
 
     name: str
-    """``"sgd"``, ``"adam"``, ``"adamw"``, or the large-batch ``"lars"`` or ``"lamb"``
-    (see :func:`lars`, :func:`lamb`)."""
+    """A name of the registry (:data:`dasktrain.trainer.optim.OPTIMIZERS`): ``"sgd"``,
+    ``"adam"``, ``"adamw"``, the large-batch ``"lars"`` or ``"lamb"``, ``"torch"`` (any
+    element-wise ``torch.optim`` class, :func:`~dasktrain.trainer.optim.torch_optimizer`), or
+    one registered with :func:`~dasktrain.trainer.optim.register_optimizer`."""
     lr: float
     """Base learning rate."""
     momentum: float = 0.0
@@ -107,7 +92,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     """Adam/AdamW/LAMB denominator term; LARS: added to the gradient norm."""
     trust_coefficient: float = 0.001
-    """LARS: the trust ratio is ``trust_coefficient * |w| / |g|``."""
+    """LARS: the trust ratio is ``trust_coefficient * |w| / (|g| + weight_decay * |w|)``."""
     exclude_bias_and_norm: bool | None = None
     """Tensors of at most one dimension (biases, norm-layer weights) get no weight decay;
     under LARS/LAMB also a trust ratio of 1. Default: on for LARS and LAMB, off for SGD,
@@ -123,12 +108,19 @@ class OptimizerConfig:
     total_steps: int | None = None
     """Length of the cosine/linear decay; default: the number of updates of the fit."""
     step_size: int = 1000
+    """``"step"`` schedule: updates between two decays."""
     gamma: float = 0.1
+    """``"step"`` schedule: factor of each decay."""
+    torch_class: str | None = None
+    """``"torch"``: the optimizer class, by import path (``"torch.optim.RMSprop"``)."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """More keyword arguments of the optimizer's constructor (``"torch"`` and registered
+    optimizers): plain values, as they are stored in checkpoints."""
 
     def __post_init__(self) -> None:
-        if self.name not in _OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.name!r}; choose one of "
-                             f"{sorted(_OPTIMIZERS)}")
+        from dasktrain.trainer.optim.registry import optimizer_kind
+
+        kind = optimizer_kind(self.name)  # a clear error for unknown names
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if not 0 <= self.momentum < 1:
@@ -165,13 +157,24 @@ class OptimizerConfig:
             raise ValueError(f"total_steps must be positive, got {self.total_steps!r}")
         if self.step_size <= 0 or not 0 < self.gamma <= 1:
             raise ValueError("step_size must be positive and gamma in (0, 1]")
+        if not isinstance(self.options, dict) or not all(isinstance(k, str)
+                                                        for k in self.options):
+            raise TypeError(f"options must be a dict of keyword arguments, got "
+                            f"{self.options!r}")
+        kind.check(self)
 
     @property
     def excludes_bias_and_norm(self) -> bool:
         """Whether biases and norm weights are kept out of weight decay (resolved default)."""
         if self.exclude_bias_and_norm is None:
-            return self.name in _PER_TENSOR
+            return self._kind.per_tensor
         return self.exclude_bias_and_norm
+
+    @property
+    def _kind(self) -> Any:
+        from dasktrain.trainer.optim.registry import optimizer_kind
+
+        return optimizer_kind(self.name)
 
     def tensor_settings(self, name: str, shape: tuple[int, ...]) -> tuple[float, float]:
         """``(base lr, weight decay)`` of the model tensor ``name`` of ``shape``."""
@@ -182,7 +185,7 @@ class OptimizerConfig:
                 decay = g.weight_decay if g.weight_decay is not None else decay
                 break
         # LARS and LAMB exclude such tensors inside their update (trust ratio too).
-        if self.name not in _PER_TENSOR and self.excludes_bias_and_norm and len(shape) <= 1:
+        if not self._kind.per_tensor and self.excludes_bias_and_norm and len(shape) <= 1:
             decay = 0.0
         return lr, decay
 
@@ -218,7 +221,7 @@ class OptimizerConfig:
             The tensors to optimise (a model's own parameters, or the holder's one flat
             parameter), or ``torch.optim``-style group dicts of them. ``groups`` and
             ``exclude_bias_and_norm`` are not applied here: use
-            :class:`~dasktrain.trainer.flat_optim.FlatOptimizer` or :meth:`build_for`.
+            :class:`~dasktrain.trainer.optim.flat.FlatOptimizer` or :meth:`build_for`.
         segments
             Where each model tensor lies in ``params[0]`` when that is a flat buffer
             (:meth:`~dasktrain.trainer.flat.FlatLayout.param_segments`), or one such list
@@ -226,7 +229,7 @@ class OptimizerConfig:
             ratio per segment; SGD, Adam and AdamW are element-wise and ignore them.
             Without segments each tensor of ``params`` is one segment.
         """
-        return _OPTIMIZERS[self.name](self, params, segments)
+        return self._kind.build(self, params, segments)
 
     def build_for(self, model: Any) -> Any:
         """The same optimizer over ``model``'s own tensors, with its groups applied: what a
@@ -244,7 +247,16 @@ class OptimizerConfig:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["groups"] = [{"patterns": list(g.patterns), "lr": g.lr,
                              "weight_decay": g.weight_decay} for g in self.groups]
+        values["options"] = dict(self.options)
         return values
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # An optimizer registered in this process travels with its config, so the holder's
+        # worker (another process) can build it without importing the module that
+        # registered it; built-in names travel as names.
+        from dasktrain.trainer.optim.registry import travelling_kind
+
+        return (_restore, (self.to_dict(), travelling_kind(self.name)))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OptimizerConfig:
@@ -257,157 +269,10 @@ class OptimizerConfig:
         return cls(**values)
 
 
+def _restore(values: dict[str, Any], kind: Any) -> OptimizerConfig:
+    """Unpickle a config, registering the optimizer it carries where it is missing."""
+    if kind is not None:
+        from dasktrain.trainer.optim.registry import adopt
 
-def _sgd(config: OptimizerConfig, params: list[Any], segments: Segments | None
-         ) -> torch.optim.Optimizer:
-    import torch  # on first build: configs are plain data, cheap to import and send
-
-    # Element-wise: the segments change nothing (so for Adam and AdamW).
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                           nesterov=config.nesterov, weight_decay=config.weight_decay)
-
-
-def _fused_if_possible(kind: Any, params: list[Any], **options: Any) -> torch.optim.Optimizer:
-    """``kind(params, fused=True)`` where torch has a fused kernel for these tensors (one
-    kernel per step instead of a dozen: it halves the holder's time per update for small
-    models), else the default implementation."""
-    try:
-        return kind(params, fused=True, **options)
-    except (RuntimeError, ValueError, TypeError):
-        return kind(params, **options)
-
-
-def _adam(config: OptimizerConfig, params: list[Any], segments: Segments | None
-          ) -> torch.optim.Optimizer:
-    import torch
-
-    return _fused_if_possible(torch.optim.Adam, params, lr=config.lr, betas=config.betas,
-                              eps=config.eps, weight_decay=config.weight_decay)
-
-
-def _adamw(config: OptimizerConfig, params: list[Any], segments: Segments | None
-           ) -> torch.optim.Optimizer:
-    import torch
-
-    return _fused_if_possible(torch.optim.AdamW, params, lr=config.lr, betas=config.betas,
-                              eps=config.eps, weight_decay=config.weight_decay)
-
-
-def _lars(config: OptimizerConfig, params: list[Any], segments: Segments | None
-          ) -> torch.optim.Optimizer:
-    from dasktrain.trainer.large_batch import LARS
-
-    return LARS(params, config.lr, momentum=config.momentum,
-                weight_decay=config.weight_decay, trust_coefficient=config.trust_coefficient,
-                eps=config.eps, exclude_bias_and_norm=config.excludes_bias_and_norm,
-                segments=segments)
-
-
-def _lamb(config: OptimizerConfig, params: list[Any], segments: Segments | None
-          ) -> torch.optim.Optimizer:
-    from dasktrain.trainer.large_batch import LAMB
-
-    return LAMB(params, config.lr, betas=config.betas, eps=config.eps,
-                weight_decay=config.weight_decay,
-                exclude_bias_and_norm=config.excludes_bias_and_norm, segments=segments)
-
-
-# The one front door: adding an optimizer is a builder and an entry here.
-_OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "adamw": _adamw, "lars": _lars, "lamb": _lamb}
-
-
-def get_optimizer(name: str, **options: Any) -> OptimizerConfig:
-    """An optimizer config by name: ``get_optimizer("sgd", lr=0.1, momentum=0.9)``."""
-    return OptimizerConfig(name=name, **options)
-
-
-def sgd(lr: float, *, momentum: float = 0.0, nesterov: bool = False,
-        weight_decay: float = 0.0, **options: Any) -> OptimizerConfig:
-    """SGD with optional momentum, Nesterov and weight decay.
-
-    ``options`` takes ``exclude_bias_and_norm`` and ``groups`` (parameter groups, see
-    :func:`group`) and the schedule: ``warmup_steps``, ``schedule``, ``total_steps``,
-    ``step_size`` and ``gamma`` (see :class:`OptimizerConfig`); so do :func:`adam` and
-    :func:`adamw`.
-    """
-    return OptimizerConfig(name="sgd", lr=lr, momentum=momentum, nesterov=nesterov,
-                           weight_decay=weight_decay, **options)
-
-
-def adam(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-         weight_decay: float = 0.0, **options: Any) -> OptimizerConfig:
-    """Adam (L2 weight decay added to the gradient, as ``torch.optim.Adam``)."""
-    return OptimizerConfig(name="adam", lr=lr, betas=betas, eps=eps,
-                           weight_decay=weight_decay, **options)
-
-
-def adamw(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 0.01, **options: Any) -> OptimizerConfig:
-    """AdamW (decoupled weight decay)."""
-    return OptimizerConfig(name="adamw", lr=lr, betas=betas, eps=eps,
-                           weight_decay=weight_decay, **options)
-
-
-def lars(lr: float, *, momentum: float = 0.9, weight_decay: float = 0.0,
-         trust_coefficient: float = 0.001, eps: float = 1e-8,
-         exclude_bias_and_norm: bool = True, **schedule: Any) -> OptimizerConfig:
-    """LARS: momentum SGD with a per-tensor learning rate
-    ``trust_coefficient * |w| / (|g| + weight_decay * |w|)``.
-
-    For large global batches (You et al. 2017, "Large Batch Training of Convolutional
-    Networks"); the update is written out in :class:`LARS`. Learning rates are typically
-    far larger than plain SGD's, since ``trust_coefficient`` scales them down.
-
-    Parameters
-    ----------
-    lr
-        Base learning rate (times warm-up and schedule).
-    momentum
-        Momentum of the (learning-rate-scaled) update.
-    weight_decay
-        L2 penalty: added to the gradient, and ``weight_decay * |w|`` to the trust
-        ratio's denominator (the paper's and apex LARC's ratio).
-    trust_coefficient
-        How far one update may move a tensor, relative to its norm.
-    eps
-        Added to the gradient norm in the trust ratio.
-    exclude_bias_and_norm
-        Tensors of at most one dimension (biases, norm layers) get no weight decay and a
-        trust ratio of 1: plain momentum SGD at ``lr``.
-    **schedule
-        ``groups`` (:func:`group`), and ``warmup_steps``, ``schedule``, ``total_steps``,
-        ``step_size``, ``gamma`` (see :class:`OptimizerConfig`).
-    """
-    return OptimizerConfig(name="lars", lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           trust_coefficient=trust_coefficient, eps=eps,
-                           exclude_bias_and_norm=exclude_bias_and_norm, **schedule)
-
-
-def lamb(lr: float = 1e-3, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-         weight_decay: float = 0.01, exclude_bias_and_norm: bool = True, **schedule: Any
-         ) -> OptimizerConfig:
-    """LAMB: an AdamW step rescaled per tensor to ``lr * |w|`` (trust ratio ``|w| / |u|``).
-
-    For large global batches (You et al. 2019, "Large Batch Optimization for Deep
-    Learning: Training BERT in 76 minutes"); the update is written out in :class:`LAMB`.
-
-    Parameters
-    ----------
-    lr
-        Base learning rate (times warm-up and schedule): roughly the fraction of its norm
-        one update moves a tensor.
-    betas
-        Decay rates of the first and second moments.
-    eps
-        Added to the square root of the second moment.
-    weight_decay
-        Decoupled decay, added to the Adam direction before the trust ratio.
-    exclude_bias_and_norm
-        Tensors of at most one dimension (biases, norm layers) get no weight decay and a
-        trust ratio of 1: a plain Adam step at ``lr``.
-    **schedule
-        ``groups`` (:func:`group`), and ``warmup_steps``, ``schedule``, ``total_steps``,
-        ``step_size``, ``gamma`` (see :class:`OptimizerConfig`).
-    """
-    return OptimizerConfig(name="lamb", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                           exclude_bias_and_norm=exclude_bias_and_norm, **schedule)
+        adopt(values["name"], kind)
+    return OptimizerConfig.from_dict(values)

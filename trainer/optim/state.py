@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dasktrain.trainer.optim import OptimizerConfig
+from dasktrain.trainer.optim.config import OptimizerConfig
 
 __all__ = ["StateLayout"]
 

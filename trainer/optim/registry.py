@@ -1,0 +1,106 @@
+"""The optimizers the holder can run, looked up by name: adding one is adding a module with
+its builder and an entry in :data:`OPTIMIZERS` (or :func:`register_optimizer` at run time).
+
+An entry is an :class:`OptimizerKind`: a builder from an
+:class:`~dasktrain.trainer.optim.config.OptimizerConfig` to a ``torch.optim`` optimizer,
+whether it computes per-tensor ratios from the buffer's segments (LARS, LAMB), and a check
+of the config's settings. The holder optimises one flat buffer, so an optimizer that is not
+per-tensor must be element-wise: its update of an element may depend only on that element's
+own gradient and state (and on scalars such as the step count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dasktrain.trainer.optim import builtin, torch_class
+
+if TYPE_CHECKING:
+    import torch
+
+    from dasktrain.trainer.optim.config import OptimizerConfig
+    from dasktrain.trainer.optim.large_batch import Segments
+
+__all__ = ["OPTIMIZERS", "Builder", "OptimizerKind", "optimizer_kind", "register_optimizer"]
+
+Builder = Callable[["OptimizerConfig", list[Any], "Segments | None"], "torch.optim.Optimizer"]
+"""``build(config, params, segments)``: the torch optimizer over ``params`` (tensors or
+``torch.optim``-style group dicts, each with its ``lr`` and ``weight_decay``)."""
+
+
+def _no_check(config: OptimizerConfig) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptimizerKind:
+    """One entry of the registry."""
+
+    build: Builder
+    """Builds the optimizer (imports torch itself: configs stay cheap to make)."""
+    per_tensor: bool = False
+    """Computes one ratio per model tensor from the segments (then biases and norm
+    weights are excluded by default); otherwise the optimizer must be element-wise."""
+    check: Callable[[OptimizerConfig], None] = _no_check
+    """Refuses settings this optimizer cannot take, with a ``ValueError`` naming them."""
+
+
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    "sgd": OptimizerKind(builtin.build_sgd),
+    "adam": OptimizerKind(builtin.build_adam),
+    "adamw": OptimizerKind(builtin.build_adamw),
+    "lars": OptimizerKind(builtin.build_lars, per_tensor=True, check=builtin.no_options),
+    "lamb": OptimizerKind(builtin.build_lamb, per_tensor=True, check=builtin.no_options),
+    "torch": OptimizerKind(torch_class.build, check=torch_class.check),
+}
+_BUILT_IN = frozenset(OPTIMIZERS)
+
+
+def optimizer_kind(name: str) -> OptimizerKind:
+    """The entry of optimizer ``name``; a clear error for unknown names."""
+    try:
+        return OPTIMIZERS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)} "
+                         f"(dt.optim.register_optimizer adds one)") from None
+
+
+def register_optimizer(name: str, build: Builder, *, per_tensor: bool = False,
+                       check: Callable[[OptimizerConfig], None] | None = None) -> None:
+    """Add optimizer ``name`` to the registry, for ``dt.optim.get_optimizer(name, ...)``.
+
+    Parameters
+    ----------
+    name
+        The new name (built-in names cannot be replaced).
+    build
+        ``build(config, params, segments)`` returns the ``torch.optim.Optimizer``; it reads
+        ``config.lr`` and the other fields it uses, and ``config.options``. It travels with
+        the configs that name it, so the holder's worker needs no import of your module.
+    per_tensor
+        The optimizer computes per-tensor quantities from ``segments`` (see
+        :class:`~dasktrain.trainer.optim.large_batch.LARS`); otherwise it must be
+        element-wise, as the holder optimises one flat buffer.
+    check
+        Refuses a config this optimizer cannot run (raise ``ValueError``).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an optimizer name must be a non-empty string, got {name!r}")
+    if name in _BUILT_IN:
+        raise ValueError(f"{name!r} is a built-in optimizer; register yours under another "
+                         f"name")
+    if not callable(build):
+        raise TypeError(f"build must be callable, got {build!r}")
+    OPTIMIZERS[name] = OptimizerKind(build, per_tensor, check or _no_check)
+
+
+def travelling_kind(name: str) -> OptimizerKind | None:
+    """The entry a config of ``name`` carries when pickled: None for built-in names."""
+    return None if name in _BUILT_IN else OPTIMIZERS.get(name)
+
+
+def adopt(name: str, kind: OptimizerKind) -> None:
+    """Register ``kind`` under ``name`` where this process does not know it yet."""
+    OPTIMIZERS.setdefault(name, kind)
