@@ -23,30 +23,17 @@ from dasktrain.trainer.arithmetic import Lease
 from dasktrain.trainer.channel import _HELLO, _PUSH, ChannelClient, ChannelServer, PendingPush
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.handle import HolderHandle
-from dasktrain.trainer.holder import ParameterHolder
-from tests.common.channel import serve_channel
-from tests.common.training import zeros, zeros_holder
+from dasktrain.trainer.reconnect import ChannelRefused
+from tests.common.channel import holder_actor, serve_channel
+from tests.common.training import zeros
 
 FEATURES = 1000
 LAYOUT = FlatLayout.of(zeros(FEATURES))
 
 
-@contextlib.contextmanager
-def _holder_actor(client, mode: str):
-    """A holder actor of two workers on a worker process (plain SGD, lr 1, from zero)."""
-    future = client.submit(ParameterHolder, zeros_holder(FEATURES, workers=2, mode=mode),
-                           actor=True, pure=False)
-    actor = future.result(timeout=60)
-    try:
-        yield actor
-    finally:
-        actor.close().result(timeout=30)  # closing twice is harmless
-        future.release()
-
-
 @pytest.fixture
 def holder(client):
-    with _holder_actor(client, "async") as actor:
+    with holder_actor(client, FEATURES, "async") as actor:
         yield actor
 
 
@@ -95,8 +82,11 @@ def test_pushes_over_the_channel_update_the_holder_like_the_actor(client, holder
 
 
 def test_a_wrong_token_is_refused_and_the_holder_goes_on(client, holder):
-    with pytest.raises(dt.TrainerError, match="closed by the holder"):
+    started = time.monotonic()
+    with pytest.raises(ChannelRefused, match="refused worker 0's token"):
         _connect(client, holder, token=bytes(16))
+    # Refused at once: a wrong token is not tried again for the reconnect deadline.
+    assert time.monotonic() - started < channel_module._RECONNECT_WITHIN / 2
     channel = _connect(client, holder)
     try:
         assert _push(channel, 0).result(timeout=30)[1] == 1
@@ -157,7 +147,7 @@ def _until_waiting_for(holder, workers: list[int]) -> None:
 
 
 def test_a_worker_reconnecting_while_its_push_waits_on_the_barrier(client):
-    with _holder_actor(client, "sync") as holder:
+    with holder_actor(client, FEATURES, "sync") as holder:
         first = _connect(client, holder, worker=0)
         waiting = _push(first, 0, 2.0)
         _until_waiting_for(holder, [1])
@@ -179,7 +169,7 @@ def test_a_worker_reconnecting_while_its_push_waits_on_the_barrier(client):
 
 
 def test_a_push_waiting_when_the_holder_closes_fails_clearly(client):
-    with _holder_actor(client, "sync") as holder:
+    with holder_actor(client, FEATURES, "sync") as holder:
         channel = _connect(client, holder)
         # Worker 1 never pushes: the sync step waits for it until the holder closes.
         pending = _push(channel, 0)
@@ -214,7 +204,7 @@ def test_a_worker_token_cannot_connect_as_another_worker(client, holder):
     try:
         # Worker 0's token presented as worker 1's: refused, and worker 1's live
         # connection (which a connection as worker 1 would replace) is left alone.
-        with pytest.raises(dt.TrainerError, match="closed by the holder"):
+        with pytest.raises(ChannelRefused, match="refused worker 1's token"):
             _connect(client, holder, worker=0, claim=1)
         params, version = _push(other, 0).result(timeout=30)
         assert version == 1 and np.array_equal(params, -np.ones(FEATURES))
@@ -359,27 +349,30 @@ def test_a_client_silent_past_the_idle_deadline_reconnects_for_its_next_push():
             channel.close()
 
 
-def test_a_flood_is_refused_at_the_cap_and_logged_once(caplog):
+def test_a_flood_past_the_cap_pushes_the_oldest_out_and_is_logged_once(caplog):
     cap = channel_module._MAX_UNAUTHENTICATED
     flood: list[socket.socket] = []
     with _server() as server, caplog.at_level(logging.WARNING, channel_module.__name__):
         host, port = server.address
         try:
+            # Accepted in the order they connect (one listener, one queue).
             flood = [socket.create_connection((host, port), timeout=10)
                      for _ in range(cap + 20)]
-            # The 20 over the cap are closed at once, long before the hello deadline.
+            # The 20 oldest are closed at once, long before the hello deadline; the newest
+            # wait, so a worker connecting during a flood is never the one turned away.
             left = _until_closed(flood, channel_module._HELLO_TIMEOUT / 2)
-            assert len(left) == cap
-            # A worker that presents itself is still taken once the waiting ones are gone.
+            assert left == flood[20:]
+            # A worker that presents itself is taken even while the room is full.
+            assert len(server._waiting) == cap
+            _hello(server).close()
             for sock in left:
                 sock.close()
             deadline = time.monotonic() + 10
-            while server._unauthenticated:
+            while len(server._waiting):
                 assert time.monotonic() < deadline, "closed connections still counted"
                 time.sleep(0.01)
-            _hello(server).close()
         finally:
             for sock in flood:
                 sock.close()
-    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    refusals = [r for r in caplog.records if "closed a push connection" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]

@@ -20,12 +20,14 @@ The holder moves large payloads on threads of its own, with the socket blocking,
 a socket-buffer's worth per turn of its event loop.
 
 The port is open to anyone who can reach the host, so the holder's worker process defends
-itself: it keeps at most ``_MAX_UNAUTHENTICATED`` connections waiting for their token (more
-are closed at once) and each only ``_HELLO_TIMEOUT`` seconds; a worker's token, derived from
-a secret of the holder and the worker's number, admits that worker only (so no worker can
-take over another's connection); and a connection that sends nothing for ``idle_timeout``
+itself: it keeps at most ``_MAX_UNAUTHENTICATED`` connections waiting for their token (a
+newer one pushes the oldest out, see :mod:`.admission`) and each only ``_HELLO_TIMEOUT``
+seconds; a worker's token, derived from a secret of the holder and the worker's number,
+admits that worker only (so no worker can take over another's connection), and a wrong one
+is answered with a refusal; and a connection that sends nothing for ``idle_timeout``
 seconds, between pushes or in the middle of one, is ended. A worker silent for half that
-long connects afresh before its next push.
+long connects afresh before its next push. A worker retries a connection that fails and,
+having given up, pushes through the actor until it gets back (see :mod:`.reconnect`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from typing import Any
 import numpy as np
 
 from dasktrain.trainer import shared
+from dasktrain.trainer.admission import WaitingRoom
 from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.reconnect import ChannelRefused, connect_retrying
 
 __all__ = ["ChannelClient", "ChannelServer", "OutgoingPush", "channel_host"]
 
@@ -64,6 +68,7 @@ _PUSH = struct.Struct("<qqdqqq")
 _REPLY = struct.Struct("<qqq")
 _OK, _VALUE_ERROR, _TRAINER_ERROR = 0, 1, 2
 _ACCEPTED = b"\x01"
+_REFUSED = b"\x02"  # a wrong token: the worker does not try again
 _DRAIN = 1 << 20  # bytes read at a time from a payload that is refused
 _BULK_BYTES = 1 << 20  # payloads from this size move on a thread (see ChannelServer._bulk)
 # Replies copied into shared memory up to this size are copied on the loop: a 2 MiB copy
@@ -72,10 +77,14 @@ _BULK_BYTES = 1 << 20  # payloads from this size move on a thread (see ChannelSe
 _COPY_INLINE_BYTES = 16 << 20
 _MOVERS = 8  # threads moving payloads: connections served at once at full speed
 _SECRET_BYTES = 32
-_CONNECT_TIMEOUT = 10.0
+_CONNECT_TIMEOUT = 10.0  # seconds for one attempt to connect and be accepted
+# Seconds a worker keeps trying to connect (see .reconnect) before it pushes through the
+# actor: as long as one attempt was given before attempts were retried.
+_RECONNECT_WITHIN = 10.0
 _HELLO_TIMEOUT = 3.0  # seconds a new connection has to present its token, in all
 # Connections still to present a token: each holds a descriptor of the holder's worker
-# process until its hello deadline, so a flood of them must not grow without bound.
+# process until its hello deadline, so a flood of them must not grow without bound (past
+# it, the oldest is closed: see .admission).
 _MAX_UNAUTHENTICATED = 32
 _IDLE_TIMEOUT = 600.0  # default seconds of silence after which a worker's connection ends
 _LOG_EVERY = 60.0  # seconds between warnings of refused connections
@@ -143,10 +152,10 @@ class _Refusals:
         if now < self._quiet_until:
             self._unreported += 1
             return
-        others = (f"; {self._unreported} more refused since the last warning"
+        others = (f"; {self._unreported} more closed since the last warning"
                   if self._unreported else "")
-        logger.warning("parameter holder: refused a push connection: %s%s (further refusals "
-                       "in the next %.0fs are only counted)", why, others, _LOG_EVERY)
+        logger.warning("parameter holder: closed a push connection: %s%s (further ones in "
+                       "the next %.0fs are only counted)", why, others, _LOG_EVERY)
         self._quiet_until = now + _LOG_EVERY
         self._unreported = 0
 
@@ -190,7 +199,7 @@ class ChannelServer:
         self._tasks: set[asyncio.Task] = set()
         self._sockets: set[socket.socket] = set()
         self._by_worker: dict[int, socket.socket] = {}
-        self._unauthenticated = 0  # connections still to present their token
+        self._waiting = WaitingRoom(_MAX_UNAUTHENTICATED)  # still to present a token
         self._refusals = _Refusals()
         self.address: tuple[str, int] | None = None
 
@@ -246,26 +255,27 @@ class ChannelServer:
                 logger.warning("parameter holder: accepting a push connection failed: %s", exc)
                 await asyncio.sleep(_ACCEPT_RETRY)
                 continue
-            if self._unauthenticated >= _MAX_UNAUTHENTICATED:
-                sock.close()
-                self._refusals.note(f"{_MAX_UNAUTHENTICATED} connections are already waiting "
-                                    "to present a token")
-                continue
             try:
                 sock.setblocking(False)
                 _tune(sock)
             except OSError:  # reset by the peer already
                 sock.close()
                 continue
-            self._unauthenticated += 1
+            pushed_out = self._waiting.enter(sock)
+            if pushed_out is not None:  # its task sees the end, and closes it
+                _shut(pushed_out)
+                self._refusals.note(f"the oldest of {_MAX_UNAUTHENTICATED} waiting to "
+                                    "present a token, for a newer one")
             self._sockets.add(sock)
             self._spawn(self._serve(sock))
+            # Let the new connection's task read its hello (a worker sends it as it
+            # connects) before a flood's next connection can push it out of the room.
+            await asyncio.sleep(0)
 
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         idle = self.idle_timeout
         worker = None
-        unauthenticated = True
         try:
             hello = bytearray(_HELLO.size)
             # One deadline for the whole hello: trickling it in byte by byte buys no time.
@@ -274,9 +284,9 @@ class ChannelServer:
             token, claimed = _HELLO.unpack(hello)
             if not hmac.compare_digest(token, self._token(claimed)):
                 self._refusals.note(f"a wrong token for worker {claimed}")
+                await _send(loop, sock, _HELLO_TIMEOUT, _REFUSED)
                 return
-            unauthenticated = False
-            self._unauthenticated -= 1
+            self._waiting.leave(sock)
             worker = claimed
             # A worker that connects again was restarted: its old connection may never see
             # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
@@ -337,8 +347,7 @@ class ChannelServer:
         except Exception:
             logger.exception("parameter holder: a push connection failed")
         finally:
-            if unauthenticated:
-                self._unauthenticated -= 1
+            self._waiting.leave(sock)
             if worker is not None and self._by_worker.get(worker) is sock:
                 del self._by_worker[worker]
             self._sockets.discard(sock)
@@ -524,11 +533,20 @@ class ChannelClient:
 
     The holder ends a connection silent for the ``idle_timeout`` of ``contact``; a push after
     half that long without one goes over a new connection, made first.
+
+    A connection (the first, or a new one) is tried for ``connect_within`` seconds (default
+    ``_RECONNECT_WITHIN``), with retries (see :mod:`.reconnect`); then
+    :class:`~.reconnect.ChannelUnavailable` says that the push can go through the actor,
+    nothing of it having been sent.
     """
 
     def __init__(self, contact: dict[str, Any], worker: int, size: int, timeout: float,
-                 alive: Callable[[], bool], into: np.ndarray | None = None) -> None:
+                 alive: Callable[[], bool], into: np.ndarray | None = None,
+                 connect_within: float | None = None) -> None:
         self.timeout = timeout
+        if connect_within is None:
+            connect_within = _RECONNECT_WITHIN
+        self._connect_within = connect_within
         self._alive = alive
         self._contact = contact
         self._worker = worker
@@ -552,7 +570,7 @@ class ChannelClient:
         self.shared: shared.Regions | None = None
         """The regions shared with the holder over the current connection, if any."""
         try:
-            self._connect()
+            connect_retrying(self._connect, connect_within, _CONNECT_TIMEOUT, self._holder_dead)
         except BaseException:
             self._close_file()
             raise
@@ -631,10 +649,8 @@ class ChannelClient:
             raise TrainerError("a push is already waiting for its reply on this channel")
         if time.monotonic() - self._last_push > self._stale_after:
             self.close()
-            try:
-                self._connect()
-            except OSError as exc:
-                raise self._lost(exc) from exc
+            connect_retrying(self._connect, self._connect_within, _CONNECT_TIMEOUT,
+                             self._holder_dead)
 
     def _sender(self, outbox: queue.SimpleQueue) -> None:
         """Sends queued buckets; a push's first failure is kept for its :meth:`finish`, and
@@ -684,13 +700,13 @@ class ChannelClient:
                              "values")
         self._params = into
 
-    def _open(self) -> socket.socket:
+    def _open(self, timeout: float) -> socket.socket:
         """A connection to the holder: its local socket when this worker is on the holder's
         host (it fails at once elsewhere), else TCP."""
         local = self._contact.get("local")
         if local and self.transport != "tcp":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(_CONNECT_TIMEOUT)
+            sock.settimeout(timeout)
             try:
                 sock.connect(local)
                 self.transport = "local"
@@ -699,18 +715,22 @@ class ChannelClient:
                 sock.close()  # another host, or another network namespace
         self.transport = "tcp"
         return socket.create_connection((self._contact["host"], self._contact["port"]),
-                                        timeout=_CONNECT_TIMEOUT)
+                                        timeout=timeout)
 
-    def _connect(self) -> None:
-        """Open the connection and present the worker's token."""
-        self._sock = self._open()
-        self._timeout: float | None = _CONNECT_TIMEOUT  # the socket's, as last set
+    def _connect(self, timeout: float) -> None:
+        """Open the connection and present the worker's token; one attempt, of at most
+        ``timeout`` seconds."""
+        self._sock = self._open(timeout)
+        self._timeout: float | None = timeout  # the socket's, as last set
         try:
             _tune(self._sock)
             self._sock.sendall(_HELLO.pack(self._contact["token"], self._worker))
-            wait = _Wait(_CONNECT_TIMEOUT, "the holder to accept the connection")
+            wait = _Wait(timeout, "the holder to accept the connection")
             accepted = bytearray(1)
-            self._recv_into(memoryview(accepted), wait)
+            self._recv_into(memoryview(accepted), wait, handshake=True)
+            if accepted == _REFUSED:
+                raise ChannelRefused(f"the parameter holder ({self._host}) refused worker "
+                                     f"{self._worker}'s token: it is not this holder's")
             self.shared = None
             if self._sock.family == socket.AF_UNIX:
                 self._share(wait)
@@ -731,7 +751,7 @@ class ChannelClient:
                 self._offer = False
         shared.offer(self._sock, self._file if self._offer else None, self._size)
         answer = bytearray(1)
-        self._recv_into(memoryview(answer), wait)
+        self._recv_into(memoryview(answer), wait, handshake=True)
         if answer == _ACCEPTED:
             self.shared = self._regions
         else:
@@ -749,7 +769,10 @@ class ChannelClient:
             except OSError as exc:
                 raise self._lost(exc) from exc
 
-    def _recv_into(self, view: memoryview, wait: _Wait) -> None:
+    def _recv_into(self, view: memoryview, wait: _Wait, handshake: bool = False) -> None:
+        """Fill ``view``. ``handshake``: a connection not yet accepted, which the holder
+        may close for a newer one (see :mod:`.admission`): its end is an OSError to retry
+        at once, not a lost connection whose holder is given time to be found dead."""
         got = 0
         while got < view.nbytes:
             self._set_timeout(wait)
@@ -759,8 +782,13 @@ class ChannelClient:
                 self._check_alive(wait.what)
                 continue
             except OSError as exc:
+                if handshake:
+                    raise
                 raise self._lost(exc) from exc
             if n == 0:
+                if handshake:
+                    raise ConnectionError("connection closed by the holder before it was "
+                                          "accepted")
                 raise self._lost(ConnectionError("connection closed by the holder"))
             got += n
 
@@ -782,6 +810,12 @@ class ChannelClient:
             self.close()
             raise HolderLost(f"the parameter holder's worker ({self._host}) died while "
                              f"waiting for {what}")
+
+    def _holder_dead(self) -> HolderLost | None:
+        """HolderLost if the holder's worker is gone (asked between attempts to connect)."""
+        if self._alive():
+            return None
+        return HolderLost(f"the parameter holder's worker ({self._host}) died")
 
     def _lost(self, exc: BaseException) -> TrainerError:
         """The error for a dropped connection: HolderLost only if the holder's worker is

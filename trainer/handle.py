@@ -1,6 +1,10 @@
 """Calling the holder from a trainer worker: in-process when they share a process, pushes
 over a direct channel (else the actor's RPC) otherwise, and never waiting without a deadline
-and a liveness check."""
+and a liveness check.
+
+A worker whose channel cannot be reached pushes through the actor, and returns to the
+channel as soon as an attempt in the background gets through (see :mod:`.reconnect`); the
+holder records both moments as events of the History."""
 
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ from dasktrain.trainer.arithmetic import Lease
 from dasktrain.trainer.channel import ChannelClient, OutgoingPush, PendingPush
 from dasktrain.trainer.errors import HolderLost, TrainerError
 from dasktrain.trainer.flat import FlatLayout
+from dasktrain.trainer.reconnect import ChannelRefused, ChannelReturn, ChannelUnavailable
 
-__all__ = ["HolderHandle"]
+__all__ = ["HolderHandle", "WholePush"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +38,8 @@ class HolderHandle:
     When the holder lives in the calling worker's own process, calls go straight to the
     actor object on the worker's event loop: the payload is handed over by reference instead
     of being serialised and sent through a loopback socket. From another process, pushes
-    go over the holder's direct channel when :meth:`join` gets one.
+    go over the holder's direct channel when :meth:`join` gets one; while it cannot be
+    reached they go through the actor, and back over the channel once it can.
     """
 
     def __init__(self, actor: Any, timeout: float, client: Client | None = None) -> None:
@@ -47,7 +53,14 @@ class HolderHandle:
         # the driver's other checks of the cluster read it instead of asking again.
         self.last_workers: dict[str, dict] | None = None
         self._channel: ChannelClient | None = None
-        self._into: np.ndarray | None = None  # where in-process replies are copied
+        # Where replies are received: in-process ones are copied there, and a channel made
+        # again receives there (the worker's model, which may have moved into memory
+        # shared with the holder over the first channel: see share).
+        self._into: np.ndarray | None = None
+        self._worker: int | None = None
+        self._contact: dict[str, Any] | None = None  # the channel's, as join got it
+        self._size = 0
+        self._return: ChannelReturn[ChannelClient] | None = None  # while on the actor
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             worker = get_worker()
@@ -73,6 +86,7 @@ class HolderHandle:
         whose replies are received into ``into`` when given."""
         info = self.request("join", worker, address, layout, what=f"worker {worker} to join")
         self._into = into
+        self._worker = worker
         if self._client is None:
             # Resolved here, in the task's thread: the channel's sender thread checks the
             # holder's liveness too, and a worker's client is found from task threads only.
@@ -81,16 +95,52 @@ class HolderHandle:
         contact = info.get("channel")
         if contact is not None and self._local is None:
             self.close()
+            self._contact = contact
+            self._size = layout.size if into is None else len(into)
             try:
-                size = layout.size if into is None else len(into)
-                self._channel = ChannelClient(contact, worker, size, self.timeout,
-                                              self.holder_alive, into)
+                self._channel = self._open_channel()
+            except HolderLost:
+                raise
             except (OSError, TrainerError) as exc:
-                # A firewall may let Dask's ports through and not this one.
-                logger.warning("worker %d cannot reach the holder's channel at %s:%s (%s); "
-                               "pushing through the actor", worker, contact["host"],
-                               contact["port"], exc)
+                # A firewall may let Dask's ports through and not this one; a flood of
+                # connections may have kept this one out for a while.
+                self._fall_back(exc)
         return info
+
+    def _open_channel(self, **options: Any) -> ChannelClient:
+        assert self._contact is not None and self._worker is not None
+        return ChannelClient(self._contact, self._worker, self._size, self.timeout,
+                             self.holder_alive, self._into, **options)
+
+    def _fall_back(self, exc: BaseException) -> None:
+        """Push through the actor from now on, and try to return to the channel in the
+        background (unless the holder refused this worker's token)."""
+        assert self._contact is not None and self._worker is not None
+        if self._channel is not None:
+            self._channel.stop()
+            self._channel = None
+        logger.warning("worker %d cannot reach the holder's channel at %s:%s (%s); pushing "
+                       "through the actor meanwhile", self._worker, self._contact["host"],
+                       self._contact["port"], exc)
+        if not isinstance(exc, ChannelRefused):
+            # One attempt each, on a thread of its own: see ChannelReturn.
+            self._return = ChannelReturn(lambda: self._open_channel(connect_within=0.0),
+                                         ChannelClient.stop)
+        self.request("exchange_changed", self._worker, "actor", str(exc),
+                     what=f"worker {self._worker}'s move to the actor")
+
+    def _current_channel(self) -> ChannelClient | None:
+        """The direct channel, if this worker is on it: one a return attempt made is taken
+        here, between pushes."""
+        if self._channel is None and self._return is not None:
+            back = self._return.poll()
+            if back is not None:
+                self._return = None
+                self._channel = back
+                logger.info("worker %d is back on the holder's channel", self._worker)
+                self.request("exchange_changed", self._worker, "direct",
+                             what=f"worker {self._worker}'s return to the channel")
+        return self._channel
 
     def share(self, adopt: Callable[[np.ndarray, np.ndarray], bool]) -> bool:
         """Where the direct channel shares memory with the holder (a worker on its host,
@@ -115,20 +165,31 @@ class HolderHandle:
              position: tuple[int, int]) -> Any:
         """Start a push (see :meth:`ParameterHolder.push`); :meth:`wait` for its reply, the
         parameters (valid until the next push) and their version."""
-        if self._channel is not None:
-            return self._channel.push(version, payload, count, loss, position)
+        channel = self._current_channel()
+        if channel is not None:
+            try:
+                return channel.push(version, payload, count, loss, position)
+            except ChannelUnavailable as exc:  # nothing was sent: the actor takes it
+                self._fall_back(exc)
         if self._local is not None:
             # The reply is leased, copied into ``into`` by :meth:`wait` and given back.
             return self.call("exchange", worker, version, payload, count, loss, position)
         return self.call("push", worker, version, payload, count, loss, position)
 
     def begin_push(self, version: int, count: int, loss: float, position: tuple[int, int],
-                   payload: np.ndarray) -> OutgoingPush | None:
+                   payload: np.ndarray) -> OutgoingPush | WholePush:
         """Start a push sent bucket by bucket while ``payload`` is still being written (see
-        :meth:`ChannelClient.begin`); None where pushes do not go over the direct channel."""
-        if self._channel is None:
-            return None
-        return self._channel.begin(version, count, loss, position, payload)
+        :meth:`ChannelClient.begin`). Where it cannot be (this worker is on the actor for
+        now, or its channel shares memory with the holder) the push is sent whole, by
+        :meth:`push`, when it is finished."""
+        channel = self._current_channel()
+        if channel is not None and channel.shared is None:
+            try:
+                return channel.begin(version, count, loss, position, payload)
+            except ChannelUnavailable as exc:  # nothing was sent
+                self._fall_back(exc)
+        assert self._worker is not None, "join first"
+        return WholePush(self, self._worker, version, count, loss, position, payload)
 
     @property
     def order(self) -> tuple[tuple[int, int], ...] | None:
@@ -139,10 +200,13 @@ class HolderHandle:
         return self._channel.order
 
     def close(self) -> None:
-        """Close the direct channel, if any."""
+        """Close the direct channel, if any, and stop trying to return to it."""
         if self._channel is not None:
             self._channel.stop()
             self._channel = None
+        if self._return is not None:
+            self._return.stop()
+            self._return = None
 
     def call(self, method: str, *args: Any) -> Any:
         """Start ``method(*args)`` on the holder; returns something with ``.result(timeout)``."""
@@ -203,3 +267,21 @@ class HolderHandle:
             return True
         self.last_workers = workers
         return self.address in workers
+
+
+class WholePush:
+    """A push begun as one sent bucket by bucket (see :meth:`HolderHandle.begin_push`) that
+    goes whole once the payload is finished: the same calls, nothing sent early."""
+
+    def __init__(self, handle: HolderHandle, worker: int, version: int, count: int,
+                 loss: float, position: tuple[int, int], payload: np.ndarray) -> None:
+        self._handle = handle
+        self._push = (worker, version, payload, count, loss, position)
+
+    def ready(self, bucket: int) -> None:
+        """Nothing is sent before :meth:`finish`."""
+        del bucket
+
+    def finish(self) -> Any:
+        """Send the push; :meth:`HolderHandle.wait` for its reply."""
+        return self._handle.push(*self._push)

@@ -319,6 +319,23 @@ class ParameterHolder:
             self._channel = channel
         return self._channel.contact(worker)
 
+    @property
+    def channel_address(self) -> tuple[str, int] | None:
+        """Where the direct channel listens for TCP connections; None before the first
+        worker from another process joined, or without a channel."""
+        return None if self._channel is None else self._channel.address
+
+    async def exchange_changed(self, worker: int, via: str, reason: str = "") -> None:
+        """``worker``'s pushes go ``via`` ``"actor"`` from now on (its direct channel could
+        not be reached: ``reason``), or ``"direct"`` again: an event of the History."""
+        self._members.check(worker)
+        if via == "actor":
+            self.record_event(f"worker {worker} pushes through the actor: {reason}")
+        elif via == "direct":
+            self.record_event(f"worker {worker} is back on the direct channel")
+        else:
+            raise ValueError(f"via must be 'actor' or 'direct', got {via!r}")
+
     async def leave(self, worker: int) -> None:
         """A worker finished its part of the epoch."""
         self._members.set(worker, "done")

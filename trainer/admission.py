@@ -1,0 +1,54 @@
+"""The connections the holder's channel keeps while they have yet to present a token.
+
+The channel's port is open to anyone who reaches the host, so a connection holds one of the
+holder's worker's descriptors from the moment it is accepted until it presents its worker's
+token (or its hello deadline passes). :class:`WaitingRoom` bounds how many do at once.
+
+When the room is full a newcomer pushes the *oldest* connection out, rather than being
+turned away. Turning newcomers away let a flood of silent connections keep every slot for
+their whole hello deadline, and a real worker reconnecting meanwhile was refused and fell
+back to the actor's calls. A worker sends its token the moment it connects, so it leaves the
+room long before ``capacity`` newer connections could push it out; a silent connection is
+the one that grows old there. The descriptors held stay bounded all the same, and an
+authenticated connection never counts: it has left the room.
+"""
+
+from __future__ import annotations
+
+import socket
+
+__all__ = ["WaitingRoom"]
+
+
+class WaitingRoom:
+    """At most ``capacity`` connections waiting to present a token, oldest first.
+
+    Used from the holder's event loop only (no lock).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a waiting room holds at least one connection, got {capacity}")
+        self.capacity = capacity
+        # Insertion-ordered: the first key is the connection accepted longest ago.
+        self._waiting: dict[socket.socket, None] = {}
+
+    def enter(self, sock: socket.socket) -> socket.socket | None:
+        """Let ``sock`` wait; the connection it pushed out (to be shut by the caller), or
+        None while there was room."""
+        pushed_out = None
+        if len(self._waiting) >= self.capacity:
+            pushed_out = next(iter(self._waiting))
+            del self._waiting[pushed_out]
+        self._waiting[sock] = None
+        return pushed_out
+
+    def leave(self, sock: socket.socket) -> None:
+        """``sock`` presented its token, or ended (a second call is harmless)."""
+        self._waiting.pop(sock, None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, sock: object) -> bool:
+        return sock in self._waiting
