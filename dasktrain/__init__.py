@@ -16,6 +16,7 @@ from dasktrain.datasets import (
     prepare,
     verify,
 )
+from dasktrain.errors import DasktrainError
 
 try:
     __version__ = version("dasktrain")
@@ -62,6 +63,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Callback",
+    "DasktrainError",
     "Dataset",
     "DatasetError",
     "EarlyStopping",

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dasktrain import _toml_writer
 from dasktrain._references import is_reference, load_function
+from dasktrain.errors import DasktrainError
 from dasktrain.train_keys import (
     ELSEWHERE,
     SECTIONS,
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["ConfigError", "TrainConfig", "load_train_config"]
 
 
-class ConfigError(ValueError):
+class ConfigError(DasktrainError, ValueError):
     """A bad config file; the message names the file, the section and the key."""
 
 

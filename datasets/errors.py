@@ -6,12 +6,14 @@ Both are ``ValueError`` subclasses so callers that catch ``ValueError`` for user
 
 from __future__ import annotations
 
+from dasktrain.errors import DasktrainError
+
 __all__ = ["DatasetError", "SourceError"]
 
 
-class DatasetError(ValueError):
+class DatasetError(DasktrainError, ValueError):
     """A path is not a readable dasktrain dataset, or a dataset fails verification."""
 
 
-class SourceError(ValueError):
+class SourceError(DasktrainError, ValueError):
     """A preparation source is missing, empty, malformed or not numeric."""

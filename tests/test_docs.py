@@ -57,3 +57,16 @@ def test_dir_lists_the_lazily_imported_names_for_tab_completion():
     names = dir(dt)
     assert {"Trainer", "Pipeline", "optim", "TrainingDiverged"} <= set(names)
     assert set(dt.__all__) <= set(names)
+
+
+def test_every_error_has_the_common_base_and_keeps_its_older_one():
+    from dasktrain.train_config import ConfigError
+
+    for error, older in ((dt.DatasetError, ValueError), (dt.SourceError, ValueError),
+                         (dt.PipelineError, RuntimeError), (dt.TrainerError, RuntimeError),
+                         (dt.TrainingDiverged, RuntimeError), (dt.HolderLost, RuntimeError),
+                         (dt.WorkersPaused, RuntimeError), (ConfigError, ValueError)):
+        assert issubclass(error, dt.DasktrainError) and issubclass(error, older), error
+    # A real one, raised by the library and caught by the base.
+    with pytest.raises(dt.DasktrainError, match="no dataset at"):
+        dt.open_dataset("/nonexistent/nothing.zarr")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HolderLost", "TrainerError", "TrainingDiverged", "WorkersPaused"]
+from dasktrain.errors import DasktrainError
+
+__all__ = ["HolderLost", "InvalidLoss", "TrainerError", "TrainingDiverged", "WorkersPaused"]
 
 
-class TrainerError(RuntimeError):
+class TrainerError(DasktrainError, RuntimeError):
     """Training could not go on; the message says why and what to do.
 
     When raised by :meth:`Trainer.fit`, ``history`` holds the :class:`History` recorded up to
@@ -19,6 +21,11 @@ class TrainerError(RuntimeError):
 
 class HolderLost(TrainerError):
     """The parameter holder's worker died; resume from the last checkpoint."""
+
+
+class InvalidLoss(TrainerError, ValueError):
+    """The loss (or ``step``) returned what cannot be trained on, such as a loss per sample
+    instead of one scalar; the message says what it returned."""
 
 
 class TrainingDiverged(TrainerError):

@@ -1,0 +1,17 @@
+"""The base of every error dasktrain raises on purpose.
+
+Part of the ground beneath the components: each component's errors derive from
+:class:`DasktrainError` and keep their older base (``ValueError`` for bad input,
+``RuntimeError`` for a run that cannot go on), so ``except ValueError`` written before the
+base existed still catches them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DasktrainError"]
+
+
+class DasktrainError(Exception):
+    """Raised by dasktrain: ``except dt.DasktrainError`` catches every error it raises on
+    purpose (a bad dataset or source, a pipeline that cannot produce a batch, a run that
+    cannot go on, a bad run config), and none of the errors of user code it runs."""
