@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "StorageOptions",
+    "check_storage_options",
     "fsync_directory",
     "is_url",
     "join",
@@ -37,6 +38,15 @@ _ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "memory"}
 #: Packages whose exceptions mean "the storage said no or could not be reached".
 _STORAGE_PACKAGES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "adlfs",
                      "azure", "requests", "urllib3", "fsspec", "paramiko"}
+
+
+def check_storage_options(value: Any) -> StorageOptions | None:
+    """``value`` if it can be fsspec's storage options (a dict or None), else a
+    ``TypeError`` saying what to pass."""
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"storage_options must be a dict of fsspec options (e.g. "
+                        f"{{'anon': True}}) or None, got {type(value).__name__}")
+    return value
 
 
 def is_url(path: str | os.PathLike) -> bool:

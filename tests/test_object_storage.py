@@ -7,8 +7,6 @@ through the storage options travelling with the tasks, never through the environ
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import os
 import signal
 import subprocess
@@ -26,52 +24,8 @@ from dasktrain.datasets.remote import BUILD_PREFIX
 from dasktrain.trainer.checkpoint import load_checkpoint
 from dasktrain.trainer.update_log import UpdateLog
 from tests.common.builders import run_cli, wait_for
+from tests.common.object_storage import BUCKET, s3_server  # noqa: F401  (the s3 fixture)
 from tests.common.training import mlp, mse
-
-moto_server = pytest.importorskip("moto.server")
-s3fs = pytest.importorskip("s3fs")
-
-BUCKET = "dasktrain-tests"
-
-
-@dataclasses.dataclass
-class S3:
-    options: dict
-    fs: object
-
-    def url(self, name: str) -> str:
-        return f"s3://{BUCKET}/{name}"
-
-    def names(self, name: str) -> list[str]:
-        """What lies directly under ``s3://BUCKET/name``."""
-        self.fs.invalidate_cache()
-        path = f"{BUCKET}/{name}"
-        return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(path)) \
-            if self.fs.exists(path) else []
-
-    def chunk_objects(self, name: str) -> int:
-        self.fs.invalidate_cache()
-        return sum("/c/" in p for p in self.fs.find(f"{BUCKET}/{name}"))
-
-    def cli_options(self) -> list[str]:
-        return [arg for key, value in self.options.items()
-                for arg in ("--storage-option", f"{key}={value}")]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        options = {"endpoint_url": f"http://{host}:{port}", "key": "testing",
-                   "secret": "testing"}
-        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield S3(options, fs)
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -80,7 +34,6 @@ def s3_default(s3, monkeypatch):
     written), for the APIs that take a bare URL."""
     monkeypatch.setitem(fsspec.config.conf, "s3", dict(s3.options))
     return s3
-
 
 
 def _idle(client) -> bool:

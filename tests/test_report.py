@@ -204,10 +204,14 @@ def test_save_and_load_give_the_same_history(sync_history, async_history, tmp_pa
     loaded = dt.History.load(path)
     assert loaded == async_history
     assert loaded.summary() == async_history.summary()
-    # Non-finite numbers survive too (the epoch with a refused NaN batch).
+    # The run with a refused NaN batch: left out of its epoch's loss, counted instead.
     loaded = dt.History.load(sync_history.save(tmp_path / "sync.json"))
     assert loaded.loss == sync_history.loss and loaded.events == sync_history.events
-    assert math.isnan(loaded.epochs[0]["train"]["loss"])
+    assert loaded.epochs[0]["skipped_steps"] == 1
+    # Non-finite numbers survive too.
+    odd = dt.History(loss=[float("nan")], epochs=[{"train": {"loss": float("inf")}}])
+    loaded = dt.History.load(odd.save(tmp_path / "odd.json"))
+    assert math.isnan(loaded.loss[0]) and math.isinf(loaded.epochs[0]["train"]["loss"])
 
     (tmp_path / "other.json").write_text(json.dumps({"loss": [1.0]}))
     with pytest.raises(ValueError, match=r"other\.json is not a saved History"):

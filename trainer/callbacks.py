@@ -10,19 +10,22 @@ for the training batches (``"loss"``, or a metric given to the Trainer).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from dasktrain._durable import join, remove
+from dasktrain._durable import StorageOptions, check_storage_options, join, remove
 
 if TYPE_CHECKING:
     from dasktrain.trainer.history import History
     from dasktrain.trainer.trainer import Trainer
 
 __all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "ReduceLROnPlateau",
-           "as_callbacks", "monitored"]
+           "as_callbacks", "monitored", "tell_exception"]
+
+logger = logging.getLogger(__name__)
 
 
 class Callback:
@@ -41,6 +44,11 @@ class Callback:
 
     def on_fit_end(self, trainer: Trainer, history: History) -> None:
         """The fit ended (normally or by ``stop_training``)."""
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        """The fit failed with ``error`` (it diverged, a worker failed, Ctrl-C...); called
+        once, before ``error`` propagates, with ``trainer.history`` holding what was
+        recorded. An exception raised here is logged and ``error`` propagates as it is."""
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values saved in the run's checkpoint, so a resumed fit goes on counting."""
@@ -70,6 +78,18 @@ def as_callbacks(items: Iterable[Callback | Callable]) -> list[Callback]:
             raise TypeError(f"a callback must be a dt.Callback or fn(trainer, record), got "
                             f"{type(item).__name__}")
     return out
+
+
+def tell_exception(callbacks: list[Callback], trainer: Trainer, error: BaseException
+                   ) -> None:
+    """Call every callback's :meth:`Callback.on_exception`; a hook that fails is logged,
+    never raised: the fit's own ``error`` is the one to propagate."""
+    for callback in callbacks:
+        try:
+            callback.on_exception(trainer, error)
+        except Exception:
+            logger.exception("%s.on_exception failed (the fit's own error, %s, follows)",
+                             type(callback).__name__, type(error).__name__)
 
 
 def monitored(record: dict[str, Any], name: str) -> float:
@@ -216,11 +236,14 @@ class ModelCheckpoint(_Plateau):
         The metric deciding ``best.pt`` (``"val_loss"`` by default); None: no best file.
     mode, min_delta
         As for :class:`EarlyStopping`.
+    storage_options
+        Passed to fsspec for a ``directory`` at a URL (``s3://...``).
     """
 
     def __init__(self, directory: str | os.PathLike, keep_last: int = 3,
                  monitor: str | None = "val_loss", mode: str = "auto",
-                 min_delta: float = 0.0) -> None:
+                 min_delta: float = 0.0, *,
+                 storage_options: StorageOptions | None = None) -> None:
         super().__init__(monitor or "loss", mode, min_delta, patience=0)
         if not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"keep_last must be an integer >= 0, got {keep_last!r}")
@@ -228,16 +251,18 @@ class ModelCheckpoint(_Plateau):
         self.keep_last = keep_last
         self.track_best = monitor is not None
         self.kept: list[str] = []
+        self.storage_options = check_storage_options(storage_options)
 
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.keep_last:
             path = join(self.directory, f"epoch-{int(record['epoch']):04d}.pt")
-            trainer.save(path)
+            trainer.save(path, storage_options=self.storage_options)
             self.kept = [p for p in self.kept if p != path] + [path]
             while len(self.kept) > self.keep_last:
-                remove(self.kept.pop(0))
+                remove(self.kept.pop(0), self.storage_options)
         if self.track_best and self._improved(record):
-            trainer.save(join(self.directory, "best.pt"))
+            trainer.save(join(self.directory, "best.pt"),
+                         storage_options=self.storage_options)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "kept": list(self.kept)}

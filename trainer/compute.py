@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from dasktrain.trainer.errors import InvalidLoss
+
 __all__ = ["PRECISIONS", "BatchCompute", "LossScale", "MetricFunction", "StepFunction",
-           "batch_size_of", "clip_gradient"]
+           "batch_size_of", "check_scalar_loss", "clip_gradient"]
 
 StepFunction = Callable[[torch.nn.Module, Any], "torch.Tensor | Mapping[str, Any]"]
 MetricFunction = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | float"]
@@ -78,16 +80,30 @@ class BatchCompute:
         """(loss, metrics of this batch, (output, target) or None for a custom step)."""
         with self.autocast(device):
             if self.step is not None:
-                return (*_loss_and_metrics(self.step(model, batch)), None)
+                loss, values = _loss_and_metrics(self.step(model, batch))
+                return check_scalar_loss(loss), values, None
             x, y = batch if isinstance(batch, tuple) else (batch, None)
             output = model(x)
             loss = self.loss(output, y) if y is not None else self.loss(output)
+        check_scalar_loss(loss)
         values = {}
         if self.metrics and y is not None:
             with torch.no_grad():
                 detached = output.detach().float()
                 values = {name: float(fn(detached, y)) for name, fn in self.metrics.items()}
         return loss, values, (output, y)
+
+
+def check_scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is one value to differentiate, else :class:`InvalidLoss` naming what
+    it is. Reads shapes only: no device synchronisation."""
+    if not isinstance(loss, torch.Tensor):
+        raise InvalidLoss(f"the loss must return a scalar tensor; it returned a "
+                          f"{type(loss).__name__}")
+    if loss.numel() != 1:  # e.g. reduction="none": one loss per sample, shape (batch,)
+        raise InvalidLoss(f"the loss must return a scalar (reduce it, e.g. "
+                          f"reduction='mean'); it returned shape {tuple(loss.shape)}")
+    return loss
 
 
 def _loss_and_metrics(result: Any) -> tuple[torch.Tensor, dict[str, float]]:

@@ -23,6 +23,7 @@ from distributed import Client, Future, wait
 from distributed.client import FutureCancelledError
 
 from dasktrain._cluster import worker_info
+from dasktrain._durable import StorageOptions
 from dasktrain.trainer.checkpoint import save_checkpoint
 from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged
 from dasktrain.trainer.handle import HolderHandle
@@ -31,7 +32,7 @@ from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.shards import HolderShards, shard_workers
 from dasktrain.trainer.update_log import UpdateLog
 from dasktrain.trainer.watch import PauseWatch
-from dasktrain.trainer.worker import WorkerConfig, run_worker
+from dasktrain.trainer.worker import WorkerConfig, WorkerFailure, run_worker
 
 __all__ = ["FitRun"]
 
@@ -49,13 +50,14 @@ class FitRun:
                  checkpoint_extra: Callable[[], dict[str, Any]], history: History,
                  progress: Any,
                  on_records: Callable[[dict[str, list]], Any] | None = None,
-                 shards: int = 1) -> None:
+                 shards: int = 1, storage_options: StorageOptions | None = None) -> None:
         self.client = client
         self.worker_config = worker_config
         self.timeout = timeout
         self.checkpoint = checkpoint
         self.checkpoint_every = checkpoint_every
         self.checkpoint_extra = checkpoint_extra
+        self.storage_options = storage_options  # fsspec's, for a checkpoint at a URL
         self.history = history
         self.progress = progress
         self.on_records = on_records
@@ -66,7 +68,7 @@ class FitRun:
         self._warned: set[tuple[str, str]] = set()
         self._log: UpdateLog | None = None
         if checkpoint:  # the updates so far (a resumed run's) start the run's log
-            self._log = UpdateLog(checkpoint)
+            self._log = UpdateLog(checkpoint, storage_options=storage_options)
             self._log.rewrite(history.records())
         self._pauses = PauseWatch(client)
         workers = worker_info(client)
@@ -183,7 +185,7 @@ class FitRun:
 
     def _collect(self, future: Future, worker: int) -> list[dict[str, Any]]:
         try:
-            return [future.result()]
+            report = future.result()
         except (FutureCancelledError, Exception) as exc:
             if type(exc).__name__ == "KilledWorker":
                 # Its process died more often than Dask retries; the others carry on, and
@@ -191,11 +193,30 @@ class FitRun:
                 self.history.events.append(f"worker {worker} given up: {exc}")
                 self.call("drop", worker, "its task was given up (KilledWorker)")
                 return []
-            if isinstance(exc, HolderLost) or not self.holder_alive():
-                self._holder_lost()
-            self.poll()  # the holder's own reason (divergence) says more than the worker's
-            raise TrainerError(f"a trainer worker failed: {type(exc).__name__}: {exc}") \
-                from exc
+            failure = WorkerFailure(exc, "")  # Dask's own (cancelled, lost): no traceback
+        else:
+            failure = report.get("failed")
+            if failure is None:
+                return [report]
+        # Raised here, outside the handler: the worker's error is not chained below ours.
+        raise self._failed(worker, failure)
+
+    def _failed(self, worker: int, failure: WorkerFailure) -> BaseException:
+        """The error that ends the fit when ``worker``'s task failed: the holder's reason
+        if it has one (divergence, its death), the worker's own error if it is ours (it
+        says what to do), else a :class:`TrainerError` carrying the worker's traceback."""
+        error = failure.error
+        if isinstance(error, HolderLost) or not self.holder_alive():
+            self._holder_lost()
+        self.poll()  # the holder's own reason (divergence) says more than the worker's
+        if isinstance(error, TrainerError):
+            return error
+        wrapped = TrainerError(f"trainer worker {worker} failed: {type(error).__name__}: "
+                               f"{error}")
+        wrapped.__cause__ = error
+        if failure.traceback:
+            wrapped.add_note(f"in trainer worker {worker}:\n{failure.traceback.rstrip()}")
+        return wrapped
 
     def _stop_workers(self, futures: list[Future], exc: BaseException) -> None:
         self._on_living("abort", f"the fit stopped: {type(exc).__name__}: {exc}")
@@ -290,7 +311,8 @@ class FitRun:
         # Small and of constant size: the per-update records are in the update log.
         self.last_checkpoint = save_checkpoint(self.checkpoint, {
             "holder": holder_state, "complete_epochs": complete_epochs,
-            "history": self.history.to_dict(per_update=False), **extra})
+            "history": self.history.to_dict(per_update=False), **extra},
+            storage_options=self.storage_options)
         self._saved_version = int(holder_state["version"])
         logger.info("checkpoint at version %d: %s", holder_state["version"],
                     self.last_checkpoint)

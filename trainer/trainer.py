@@ -19,10 +19,11 @@ import torch
 from distributed import Client
 
 from dasktrain._cluster import cluster_client
+from dasktrain._durable import StorageOptions, check_storage_options
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline import EpochPlan, Pipeline
 from dasktrain.trainer.buckets import BUCKET_BYTES
-from dasktrain.trainer.callbacks import Callback, as_callbacks
+from dasktrain.trainer.callbacks import Callback, as_callbacks, tell_exception
 from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
 from dasktrain.trainer.compute import (
     BatchCompute,
@@ -71,13 +72,15 @@ def _merge_mode_options(given: dict[str, Any] | None, keywords: dict[str, Any]
     return {**given, **keywords}
 
 
-def _checkpoint_history(state: dict[str, Any], path: str | os.PathLike) -> History:
+def _checkpoint_history(state: dict[str, Any], path: str | os.PathLike,
+                        storage_options: StorageOptions | None = None) -> History:
     """The History of a checkpoint: its summary, and the per-update records from the update
     log beside it up to the checkpoint's version (a fit checkpoint) or from the file itself
     (a :meth:`Trainer.save`)."""
     history = History.from_dict(state["history"])
     if not history.version and "holder" in state:
-        rows = UpdateLog(path).read(up_to_version=int(state["holder"]["version"]))
+        log = UpdateLog(path, storage_options=storage_options)
+        rows = log.read(up_to_version=int(state["holder"]["version"]))
         history.extend(records_of(rows))
     return history
 
@@ -199,7 +202,8 @@ class Trainer:
         ``"raise"`` (default): a non-finite loss or gradient stops the run with
         :class:`~dasktrain.TrainingDiverged`. ``"skip"``: the gradient is refused (counted in
         ``History.refused_gradients``) and the run goes on, unless every gradient is refused
-        for ``nonfinite_patience`` rounds in a row, which also stops it.
+        for ``nonfinite_patience`` rounds in a row, which also stops it. A batch whose loss
+        is not finite counts in no epoch mean, and in the epoch's ``"skipped_steps"``.
     nonfinite_patience
         See ``on_nonfinite``; a round is one gradient per worker.
     checkpoint_every
@@ -373,6 +377,7 @@ class Trainer:
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | None = None,
         callbacks: Iterable[Callback | Callable[[Trainer, dict[str, Any]], Any]] = (),
+        storage_options: StorageOptions | None = None,
     ) -> History:
         """Train for ``epochs`` epochs (counted from 0, so a resumed fit runs the rest).
 
@@ -397,17 +402,24 @@ class Trainer:
             :class:`~dasktrain.Callback` objects (per update and per epoch hooks, such as
             :class:`~dasktrain.EarlyStopping`) or functions ``fn(trainer, epoch_record)``
             called after every epoch. Setting ``trainer.stop_training = True`` ends the fit
-            after the current epoch, with its checkpoint written.
+            after the current epoch, with its checkpoint written. If the fit fails, each
+            callback's ``on_exception(trainer, error)`` runs before the error propagates.
+        storage_options
+            Passed to fsspec for a ``checkpoint`` or ``resume`` at a URL (``s3://...``):
+            credentials, endpoint. Without them, fsspec's configuration and the
+            environment apply.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
         dataset, options = self._resolve(data)
         callbacks = as_callbacks(callbacks)
+        storage_options = check_storage_options(storage_options)
         self.stop_training = False
         if self.batch_size > len(dataset):
             raise ValueError(f"batch_size {self.batch_size} is larger than the "
                              f"{len(dataset)} samples of {dataset!r}")
-        state = load_checkpoint(resume) if resume is not None else None
+        state = (load_checkpoint(resume, storage_options=storage_options)
+                 if resume is not None else None)
         kind = mode_class(self.mode)
         per_epoch = [self._plan(dataset, options, e).num_batches for e in range(epochs)]
         total_steps = sum(kind.planned_updates(b, self.workers, self.mode_options)
@@ -416,7 +428,7 @@ class Trainer:
         schedule = kind.schedule_length(epoch_steps, total_steps, self.mode_options)
         if state is not None:
             self._check_resumable(state, dataset, epochs, schedule, epoch_steps)
-        history = _checkpoint_history(state, resume) if state else \
+        history = _checkpoint_history(state, resume, storage_options) if state else \
             History(mode=self.mode, workers=self.workers)
         start = int(state["complete_epochs"]) if state else 0
         holder_config = HolderConfig(
@@ -453,6 +465,7 @@ class Trainer:
                                          "schedule_steps": schedule,
                                          "dataset": _dataset_key(dataset)}},
                              history=history, progress=bar,
+                             storage_options=storage_options,
                              on_records=lambda records: [cb.on_update(self, records)
                                                          for cb in callbacks])
                 self._current_run = run
@@ -474,6 +487,9 @@ class Trainer:
             # What was recorded up to the failure stays available on the error too.
             with contextlib.suppress(AttributeError, TypeError):
                 exc.history = history
+            history.wall_time = time.perf_counter() - started
+            self.history = history
+            tell_exception(callbacks, self, exc)
             raise
         finally:
             history.wall_time = time.perf_counter() - started
@@ -580,6 +596,9 @@ class Trainer:
             # How each worker reached the holder: in its process, direct channel, actor.
             "exchange_via": dict(Counter(r["exchange_via"] for r in reports)),
             "train": _merged_metrics(reports),
+            # Batches whose loss was not finite (on_nonfinite="skip"): refused by the
+            # holder, and left out of "train" so that one bad batch cannot make it NaN.
+            "skipped_steps": sum(int(r.get("skipped_nonfinite", 0)) for r in reports),
             # Per worker, so a report can show which replica waited on data or lagged.
             "per_worker": [
                 {"worker": int(r["worker"]), "samples": int(r["samples"]),
@@ -625,20 +644,26 @@ class Trainer:
                                   forward=forward, as_dict=self.pipeline_options["as_dict"],
                                   threads=self.torch_threads)
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Save the model's parameters, the trainer's settings and the history (atomic)."""
+    def save(self, path: str | os.PathLike, *,
+             storage_options: StorageOptions | None = None) -> str:
+        """Save the model's parameters, the trainer's settings and the history (atomic);
+        ``storage_options`` go to fsspec for a ``path`` at a URL."""
         written = save_checkpoint(path, {
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "trainer": self._config(),
-            "history": self.history.to_dict() if self.history else None})
+            "history": self.history.to_dict() if self.history else None},
+            storage_options=check_storage_options(storage_options))
         return str(written)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: ModelSpec,
-             loss: LossFunction = torch.nn.functional.mse_loss) -> Trainer:
+             loss: LossFunction = torch.nn.functional.mse_loss, *,
+             storage_options: StorageOptions | None = None) -> Trainer:
         """A trainer with the parameters saved by :meth:`save` (or the latest of a fit's
-        checkpoint). ``model`` builds the architecture: code is never read from the file."""
-        state = load_checkpoint(path)
+        checkpoint). ``model`` builds the architecture: code is never read from the file.
+        ``storage_options`` go to fsspec for a ``path`` at a URL."""
+        storage_options = check_storage_options(storage_options)
+        state = load_checkpoint(path, storage_options=storage_options)
         config = state.get("trainer")
         if config is None:
             raise ValueError(f"{path} holds no trainer settings")
@@ -659,5 +684,5 @@ class Trainer:
             holder = state["holder"]
             trainer._load(torch.cat([holder["params"], holder["buffers"]]).numpy())
         if state.get("history"):
-            trainer.history = _checkpoint_history(state, path)
+            trainer.history = _checkpoint_history(state, path, storage_options)
         return trainer

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +38,7 @@ from dasktrain.trainer.notices import (
 from dasktrain.trainer.shards import ShardedHandle, open_handle
 from dasktrain.trainer.steps import StepContext, WorkerStep
 
-__all__ = ["WorkerConfig", "pick_device", "run_worker"]
+__all__ = ["WorkerConfig", "WorkerFailure", "pick_device", "run_worker"]
 
 LossFunction = Callable[[Any, Any], torch.Tensor]
 
@@ -68,8 +70,41 @@ def pick_device(requested: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """Why a trainer worker's task stopped: what it raised, and where (the worker's
+    traceback, as text)."""
+
+    error: BaseException
+    traceback: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> WorkerFailure:
+        where = "".join(traceback.format_exception(error))
+        try:
+            pickle.dumps(error)
+        except Exception:  # it must travel to the driver: its type and message do
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        return cls(error, where)
+
+
 def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> dict[str, Any]:
-    """Train ``worker``'s share of ``epoch``; returns its counters."""
+    """Train ``worker``'s share of ``epoch``; returns its counters, or
+    ``{"worker": worker, "failed": WorkerFailure}`` if it could not.
+
+    A failure is returned, not raised: Dask logs every task that raises on its worker
+    ("Compute Failed" and the task's traceback, on the user's terminal for a local
+    cluster), while the one error to read is the driver's, which raises it
+    (:meth:`FitRun._collect`).
+    """
+    try:
+        return _run_worker(config, holder, worker, epoch)
+    except Exception as exc:
+        return {"worker": worker, "failed": WorkerFailure.of(exc)}
+
+
+def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int
+                ) -> dict[str, Any]:
     secede()  # free the thread for pipeline tasks; this task is not stolen once running
     tune_allocator()
     started = time.perf_counter()
@@ -125,7 +160,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
     pipe.load_state_dict(state)
     batches = iter(pipe)
     compute = wait = 0.0
-    samples = in_buckets = 0
+    samples = in_buckets = nonfinite = 0
     totals = MetricTotals()
     scale = LossScale(config.compute.precision == "fp16")
     readiness = _readiness(strategy, handle, flat, scale)
@@ -153,11 +188,14 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
             finally:
                 if readiness is not None:
                     readiness.disarm()
-            if scale.unscale(flat.grads):
-                samples += count
-                totals.add({"loss": loss_value, **values}, count)
-            else:  # float16 overflow: this batch is skipped (the scale is lowered)
+            if not scale.unscale(flat.grads):  # float16 overflow: skipped, scale lowered
                 count = 0
+            else:
+                samples += count
+                if math.isfinite(loss_value):
+                    totals.add({"loss": loss_value, **values}, count)
+                else:  # the holder refuses its gradient: it counts in no epoch mean
+                    nonfinite += 1
         # A gradient on its way since backward began needs no asking what to push.
         push = None if outgoing is not None else \
             strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
@@ -188,6 +226,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
             "first_batch_s": pipe.stats.wait_per_batch[0] if pipe.stats.wait_per_batch else 0.0,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
+            "skipped_nonfinite": nonfinite,
             "exchange_via": handle.via, "transport": handle.transport,
             "pushes_in_buckets": in_buckets}
 
