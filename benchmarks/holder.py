@@ -47,8 +47,8 @@ from dasktrain.bench import (
     write_ratios,
 )
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.holder import HolderConfig, ParameterHolder
-from dasktrain.trainer.shards import open_handle, shard_workers
+from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder.shards import open_handle, shard_workers
 
 WORKERS = 2
 LR = 1e-3

@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain.trainer.checkpoint import checkpoint_file, load_checkpoint
-from dasktrain.trainer.files import write_atomically
+from dasktrain.trainer.driver.checkpoint import checkpoint_file, load_checkpoint
+from dasktrain.trainer.driver.files import write_atomically
 
 if TYPE_CHECKING:
     pass

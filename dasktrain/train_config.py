@@ -49,7 +49,7 @@ from dasktrain.train_keys import (
 
 if TYPE_CHECKING:
     from dasktrain.datasets import Dataset
-    from dasktrain.trainer.trainer import Trainer
+    from dasktrain.trainer.driver.trainer import Trainer
 
 __all__ = ["ConfigError", "TrainConfig", "load_train_config"]
 
@@ -344,7 +344,7 @@ def _trainer_options(r: _Reader) -> tuple[dict[str, Any], int, dict[str, Any],
 
 def _build_trainer(r: _Reader, model: Callable, loss: Callable, optimizer: Any,
                    given: dict[str, Any], progress: bool) -> Trainer:
-    from dasktrain.trainer.trainer import Trainer
+    from dasktrain.trainer.driver.trainer import Trainer
 
     try:
         return Trainer(model, loss, optimizer, progress=progress, **given)

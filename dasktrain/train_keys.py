@@ -147,7 +147,7 @@ def _annotations(fn: Any, owner: Any = None) -> dict[str, Any]:
 def trainer_parameters() -> dict[str, tuple[Any, Any]]:
     """Keys of ``[trainer]`` and ``[run]`` from ``Trainer.__init__``: name -> (default,
     type)."""
-    from dasktrain.trainer.trainer import Trainer
+    from dasktrain.trainer.driver.trainer import Trainer
 
     hints = _annotations(Trainer.__init__)
     out = {}

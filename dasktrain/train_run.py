@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from dasktrain._cluster import cluster_client
 from dasktrain.run_dir import RunDirectory
-from dasktrain.trainer.callbacks import Callback
-from dasktrain.trainer.loggers import JsonLinesLogger
+from dasktrain.trainer.view.callbacks import Callback
+from dasktrain.trainer.view.loggers import JsonLinesLogger
 
 if TYPE_CHECKING:
     from dasktrain.train_config import TrainConfig
-    from dasktrain.trainer.history import History
-    from dasktrain.trainer.trainer import Trainer
+    from dasktrain.trainer.driver.trainer import Trainer
+    from dasktrain.trainer.view.history import History
 
 __all__ = ["RunResult", "after_stop", "run_training"]
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer.arithmetic import Lease
-from dasktrain.trainer.buckets import GradientReadiness, bucket_order
-from dasktrain.trainer.channel import ChannelClient
+from dasktrain.trainer.exchange.buckets import GradientReadiness, bucket_order
+from dasktrain.trainer.exchange.channel import ChannelClient
 from dasktrain.trainer.flat import FlatLayout, FlatModel
+from dasktrain.trainer.holder.arithmetic import Lease
 from tests.common.channel import serve_channel
 from tests.common.training import flat_parameters, mse, one_process
 
@@ -155,7 +155,7 @@ def test_a_streamed_push_to_a_server_gone_fails_naming_the_holder():
     # The server is closed: the sends fail, and the header's send or finish says so (which
     # of the two depends on when the socket notices), naming the holder's worker.
     try:
-        with pytest.raises(dt.HolderLost, match="parameter holder's worker .* died"):
+        with pytest.raises(dt.HolderLost, match=r"parameter holder's worker .* died"):
             outgoing = channel.begin(0, 1, 0.0, (0, 1), np.zeros(SIZE, np.float32))
             outgoing.finish().result(10)
     finally:

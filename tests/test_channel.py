@@ -18,12 +18,18 @@ import numpy as np
 import pytest
 
 import dasktrain as dt
-from dasktrain.trainer import channel as channel_module
-from dasktrain.trainer.arithmetic import Lease
-from dasktrain.trainer.channel import _HELLO, _PUSH, ChannelClient, ChannelServer, PendingPush
+from dasktrain.trainer.exchange import channel as channel_module
+from dasktrain.trainer.exchange.channel import (
+    _HELLO,
+    _PUSH,
+    ChannelClient,
+    ChannelServer,
+    PendingPush,
+)
+from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.exchange.reconnect import ChannelRefused
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.handle import HolderHandle
-from dasktrain.trainer.reconnect import ChannelRefused
+from dasktrain.trainer.holder.arithmetic import Lease
 from tests.common.channel import holder_actor, serve_channel
 from tests.common.training import zeros
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer import channel as channel_module
-from dasktrain.trainer.arithmetic import Lease
-from dasktrain.trainer.channel import ChannelClient
+from dasktrain.trainer.exchange import channel as channel_module
+from dasktrain.trainer.exchange.channel import ChannelClient
+from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.exchange.reconnect import ChannelUnavailable
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.handle import HolderHandle
-from dasktrain.trainer.reconnect import ChannelUnavailable
+from dasktrain.trainer.holder.arithmetic import Lease
 from tests.common.channel import Flood, channel_addresses, holder_actor, on_loop, serve_channel
 from tests.common.training import flat_parameters, mlp, mse, zeros
 

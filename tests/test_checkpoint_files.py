@@ -9,8 +9,8 @@ import pytest
 
 import dasktrain as dt
 from dasktrain.datasets.atomic import StagedDirectory
-from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
-from dasktrain.trainer.update_log import UpdateLog
+from dasktrain.trainer.driver.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.trainer.driver.update_log import UpdateLog
 from tests.common.training import mlp, mse
 
 

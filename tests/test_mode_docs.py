@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dasktrain.trainer import modes
-from dasktrain.trainer.holder import ParameterHolder
+from dasktrain.trainer.holder.actor import ParameterHolder
 from tests.common.training import zeros_holder
 
 README = Path(__file__).resolve().parents[1] / "README.md"

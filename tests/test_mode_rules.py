@@ -20,7 +20,7 @@ from distributed import Client, LocalCluster, get_worker
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
 from tests.common.training import flat_parameters, mlp, mse, zeros, zeros_holder
 
 F32 = np.float32
@@ -271,7 +271,7 @@ def test_dc_adaptive_a_refused_gradient_does_not_poison_the_later_ones():
 
     Fails at the time of writing (a library bug): ``_compensate`` (trainer/modes/adjust.py)
     adds g*g to ``_mean_square`` inside ``adjust``, which the holder runs before it checks
-    the gradient (trainer/holder.py, ``_apply``), so the NaN stays in it for good."""
+    the gradient (trainer/holder/actor.py, ``_apply``), so the NaN stays in it for good."""
     async def scenario():
         config = HolderConfig(model=functools.partial(zeros, 3), optimizer=dt.optim.sgd(0.1),
                               workers=2, mode="async", on_nonfinite="skip",
@@ -488,7 +488,7 @@ def test_ssp_never_drops_a_slow_worker_that_keeps_pushing():
     the slow worker pushes once between each two.
 
     Fails at the time of writing (a library bug): ``Membership.waiting_since``
-    (trainer/membership.py) is reset only when a check finds the worker *not* waited for,
+    (trainer/holder/membership.py) is reset only when a check finds the worker *not* waited for,
     never when it pushes. In SSP the fast worker waits on the slow one almost all the time,
     so the checks keep seeing it waited for, and after barrier_timeout it is dropped as
     "nothing for 1s" although it pushed all along (the fast worker then runs past the

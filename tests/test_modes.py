@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer.holder import ParameterHolder
+from dasktrain.trainer.holder.actor import ParameterHolder
+from dasktrain.trainer.holder.records import PER_GRADIENT, PER_UPDATE
 from dasktrain.trainer.modes import mode_class
-from dasktrain.trainer.records import PER_GRADIENT, PER_UPDATE
 from tests.common.training import flat_parameters, mlp, mse, zeros_holder
 
 ROWS, WIDTH, BATCH = 360, 4, 16

@@ -21,8 +21,8 @@ import torch
 
 import dasktrain as dt
 from dasktrain.datasets.remote import BUILD_PREFIX
-from dasktrain.trainer.checkpoint import load_checkpoint
-from dasktrain.trainer.update_log import UpdateLog
+from dasktrain.trainer.driver.checkpoint import load_checkpoint
+from dasktrain.trainer.driver.update_log import UpdateLog
 from tests.common.builders import run_cli, wait_for
 from tests.common.object_storage import BUCKET, s3_server  # noqa: F401  (the s3 fixture)
 from tests.common.training import mlp, mse

@@ -14,7 +14,7 @@ import pytest
 from matplotlib.figure import Figure
 
 import dasktrain as dt
-from dasktrain.trainer.plots import KINDS, event_versions
+from dasktrain.trainer.view.plots import KINDS, event_versions
 from tests.common.training import mlp, mse, nan_on
 
 

@@ -14,7 +14,7 @@ import torch
 
 import dasktrain as dt
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.shards import check_shards, shard_layouts, shard_workers
+from dasktrain.trainer.holder.shards import check_shards, shard_layouts, shard_workers
 from tests.common.training import flat_parameters, mse, nan_on, one_process
 
 

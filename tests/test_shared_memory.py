@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from dasktrain.trainer import channel as channel_module
-from dasktrain.trainer import shared
-from dasktrain.trainer.arithmetic import Lease
-from dasktrain.trainer.channel import ChannelClient
 from dasktrain.trainer.errors import TrainerError
+from dasktrain.trainer.exchange import channel as channel_module
+from dasktrain.trainer.exchange import shared
+from dasktrain.trainer.exchange.channel import ChannelClient
 from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.holder.arithmetic import Lease
 from tests.common.channel import serve_channel
 
 SIZE = 1000

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer.checkpoint import load_checkpoint
+from dasktrain.trainer.driver.checkpoint import load_checkpoint
 from tests.common.training import flat_parameters, mlp, mse
 
 

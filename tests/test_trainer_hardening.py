@@ -14,7 +14,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
-from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.trainer.driver.checkpoint import load_checkpoint, save_checkpoint
 from tests.common.training import flat_parameters, mlp, mse
 
 

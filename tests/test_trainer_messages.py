@@ -103,8 +103,8 @@ SCRIPT = textwrap.dedent("""
 
 #: What a worker's log adds to the terminal when a task fails or is cancelled.
 WORKER_NOISE = ("Compute Failed", "Async instruction", "distributed.worker",
-                "During handling of the above exception", "trainer/worker.py",
-                "trainer/holder.py")
+                "During handling of the above exception", "trainer/worker/loop.py",
+                "trainer/holder/actor.py")
 
 
 def _assert_no_worker_noise(output: str) -> None:
@@ -192,7 +192,7 @@ def test_on_exception_is_called_once_and_cannot_mask_the_fits_error(client, regr
                                                                     caplog):
     first, last = Recorder(), Recorder()
     trainer = _trainer(optimizer=dt.optim.sgd(1e6))
-    with caplog.at_level(logging.ERROR, logger="dasktrain.trainer.callbacks"), \
+    with caplog.at_level(logging.ERROR, logger="dasktrain.trainer.view.callbacks"), \
             pytest.raises(dt.TrainingDiverged, match="training diverged at update") as caught:
         trainer.fit(regression, epochs=3, client=client, callbacks=[first, Failing(), last])
     for recorder in (first, last):  # the broken hook between them stops neither

@@ -1,17 +1,17 @@
 """The trainer: a central parameter holder (a Dask actor), workers as Dask tasks, the API."""
 
 from dasktrain.trainer import optim
-from dasktrain.trainer.callbacks import (
+from dasktrain.trainer.driver.trainer import Trainer
+from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged, WorkersPaused
+from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.modes import MODES, get_mode
+from dasktrain.trainer.view.callbacks import (
     Callback,
     EarlyStopping,
     ModelCheckpoint,
     ReduceLROnPlateau,
 )
-from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged, WorkersPaused
-from dasktrain.trainer.history import History
-from dasktrain.trainer.holder import HolderConfig, ParameterHolder
-from dasktrain.trainer.modes import MODES, get_mode
-from dasktrain.trainer.trainer import Trainer
+from dasktrain.trainer.view.history import History
 
 __all__ = ["MODES", "Callback", "EarlyStopping", "History", "HolderConfig", "HolderLost",
            "ModelCheckpoint", "ParameterHolder", "ReduceLROnPlateau", "Trainer", "TrainerError",

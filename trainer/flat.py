@@ -153,7 +153,7 @@ class FlatModel:
     def adopt(self, payload: np.ndarray, state: np.ndarray) -> bool:
         """Move the model into ``state`` and its outgoing payload (its gradients) into
         ``payload``, both float32 arrays of a payload's size: memory shared with the holder
-        (see :mod:`dasktrain.trainer.shared`), which then reads the gradients and writes
+        (see :mod:`dasktrain.trainer.exchange.shared`), which then reads the gradients and writes
         fresh parameters where the model has them. Values are kept. False (nothing done)
         where the model does not live on the CPU."""
         size = self.layout.size

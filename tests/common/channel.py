@@ -15,8 +15,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from dasktrain.trainer.channel import ChannelServer, Order, PushFunction
-from dasktrain.trainer.holder import ParameterHolder
+from dasktrain.trainer.exchange.channel import ChannelServer, Order, PushFunction
+from dasktrain.trainer.holder.actor import ParameterHolder
 from tests.common.training import zeros_holder
 
 T = TypeVar("T")

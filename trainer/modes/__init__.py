@@ -11,7 +11,7 @@ from dasktrain.trainer.modes.base import Contribution, UpdateMode
 from dasktrain.trainer.modes.soft import SoftMode
 from dasktrain.trainer.modes.ssp import SSPMode
 from dasktrain.trainer.modes.synchronous import SyncMode
-from dasktrain.trainer.steps import WorkerStep
+from dasktrain.trainer.worker.steps import WorkerStep
 
 __all__ = ["MODES", "Contribution", "UpdateMode", "get_mode", "mode_class",
            "worker_step_class"]
@@ -39,5 +39,6 @@ def get_mode(name: str, holder: Any, **options: Any) -> UpdateMode:
 
 
 def worker_step_class(name: str) -> type[WorkerStep]:
-    """What the workers of mode ``name`` do per batch (see :mod:`dasktrain.trainer.steps`)."""
+    """What the workers of mode ``name`` do per batch (see
+    :mod:`dasktrain.trainer.worker.steps`)."""
     return mode_class(name).worker_step

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dasktrain.trainer.arithmetic import as_tensor
-from dasktrain.trainer.divergence import all_finite
+from dasktrain.trainer.holder.arithmetic import as_tensor
+from dasktrain.trainer.holder.divergence import all_finite
 from dasktrain.trainer.modes.base import Adjusted, Contribution, Host, UpdateMode
 
 __all__ = ["StaleGradientMode", "staleness_rule"]

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout, FlatModel
-from dasktrain.trainer.optim.flat import FlatOptimizer, state_size
 from dasktrain.trainer.modes.base import Contribution, Host
 from dasktrain.trainer.modes.rounds import RoundMode
 from dasktrain.trainer.optim import OptimizerConfig
-from dasktrain.trainer.steps import Push, StepContext, WorkerStep
+from dasktrain.trainer.optim.flat import FlatOptimizer, state_size
+from dasktrain.trainer.worker.compute import clip_gradient
+from dasktrain.trainer.worker.steps import Push, StepContext, WorkerStep
 
 __all__ = ["AverageMode", "LocalSteps"]
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from dasktrain.trainer.steps import GradientStep, WorkerStep
+from dasktrain.trainer.worker.steps import GradientStep, WorkerStep
 
 if TYPE_CHECKING:
     from dasktrain.trainer.flat import FlatLayout
@@ -139,7 +139,7 @@ class UpdateMode:
     gradient_fields: ClassVar[dict[str, Any]] = {}
     """Extra per-gradient record fields and their defaults (see :mod:`..records`)."""
     worker_step: ClassVar[type[WorkerStep]] = GradientStep
-    """What workers do per batch (:mod:`dasktrain.trainer.steps`): by default push each
+    """What workers do per batch (:mod:`dasktrain.trainer.worker.steps`): by default push each
     gradient; ``average`` takes local optimizer steps and pushes parameters."""
 
     def __init__(self, host: Host | None, **options: Any) -> None:

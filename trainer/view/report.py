@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain.trainer.files import write_atomically
-from dasktrain.trainer.plots import FIGURES, event_versions, metric_names, png_bytes
+from dasktrain.trainer.driver.files import write_atomically
+from dasktrain.trainer.view.plots import FIGURES, event_versions, metric_names, png_bytes
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.history import History
+    from dasktrain.trainer.view.history import History
 
 __all__ = ["PAGE", "summary_rows", "write_report"]
 

@@ -15,14 +15,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
-from dasktrain.trainer.callbacks import Callback
-from dasktrain.trainer.live_page import PAGE
-from dasktrain.trainer.loggers import strict_json
-from dasktrain.trainer.update_log import rows_of
+from dasktrain.trainer.driver.update_log import rows_of
+from dasktrain.trainer.view.callbacks import Callback
+from dasktrain.trainer.view.live_page import PAGE
+from dasktrain.trainer.view.loggers import strict_json
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.history import History
-    from dasktrain.trainer.trainer import Trainer
+    from dasktrain.trainer.driver.trainer import Trainer
+    from dasktrain.trainer.view.history import History
 
 __all__ = ["LiveView"]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +18,12 @@ import numpy as np
 from distributed import Client, get_client, get_worker
 
 from dasktrain._cluster import worker_info
-from dasktrain.trainer.arithmetic import Lease
-from dasktrain.trainer.channel import ChannelClient, OutgoingPush, PendingPush
+from dasktrain._deadline import wait_until
 from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.exchange.channel import ChannelClient, OutgoingPush, PendingPush
+from dasktrain.trainer.exchange.reconnect import ChannelRefused, ChannelReturn, ChannelUnavailable
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.reconnect import ChannelRefused, ChannelReturn, ChannelUnavailable
+from dasktrain.trainer.holder.arithmetic import Lease
 
 __all__ = ["HolderHandle", "WholePush"]
 
@@ -227,22 +227,23 @@ class HolderHandle:
         comes within ``timeout`` seconds."""
         if isinstance(future, PendingPush):  # checks liveness itself
             return future.result(timeout or self.timeout, what)
-        deadline = time.monotonic() + (timeout or self.timeout)
-        while True:
-            try:
-                result = future.result(timeout=min(_SLICE, max(deadline - time.monotonic(),
-                                                               0.01)))
-                return self._own(result) if isinstance(result, Lease) else result
-            except TimeoutError:
-                if not self.holder_alive():
-                    raise HolderLost(f"the parameter holder's worker {self.address} died "
-                                     f"while waiting for {what}") from None
-                if time.monotonic() >= deadline:
-                    raise TrainerError(f"no answer from the parameter holder for {what} "
-                                       f"after {timeout or self.timeout:.0f}s") from None
-            except OSError as exc:
-                raise HolderLost(f"cannot reach the parameter holder's worker "
-                                 f"{self.address}: {exc}") from exc
+        seconds = timeout or self.timeout
+
+        def check() -> None:
+            if not self.holder_alive():
+                raise HolderLost(f"the parameter holder's worker {self.address} died "
+                                 f"while waiting for {what}")
+
+        try:
+            result = wait_until(
+                lambda left: future.result(timeout=left), timeout=seconds, check=check,
+                slice_seconds=_SLICE,
+                expired=lambda: TrainerError(f"no answer from the parameter holder for "
+                                             f"{what} after {seconds:.0f}s"))
+        except OSError as exc:
+            raise HolderLost(f"cannot reach the parameter holder's worker "
+                             f"{self.address}: {exc}") from exc
+        return self._own(result) if isinstance(result, Lease) else result
 
     def _own(self, lease: Lease) -> tuple[np.ndarray, int]:
         """Copy a leased reply (in-process pushes) into the receive buffer, and give the

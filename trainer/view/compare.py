@@ -12,8 +12,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dasktrain.trainer.files import write_atomically
-from dasktrain.trainer.plots import (
+from dasktrain.trainer.driver.files import write_atomically
+from dasktrain.trainer.view.plots import (
     _empty,
     _figure,
     _log_scale_if_wide,
@@ -23,14 +23,14 @@ from dasktrain.trainer.plots import (
 )
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.history import History
+    from dasktrain.trainer.view.history import History
 
 __all__ = ["compare"]
 
 
 def _labelled(histories: Mapping[str, History] | Sequence[History]
               ) -> list[tuple[str, History]]:
-    from dasktrain.trainer.history import History
+    from dasktrain.trainer.view.history import History
 
     if isinstance(histories, Mapping):
         runs = [(str(name), h) for name, h in histories.items()]

@@ -19,7 +19,7 @@ from distributed import Client
 
 from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
-from dasktrain.trainer.compute import BatchCompute, MetricTotals, batch_size_of
+from dasktrain.trainer.worker.compute import BatchCompute, MetricTotals, batch_size_of
 
 __all__ = ["ForwardFunction", "evaluate_on_cluster", "predict_on_cluster"]
 

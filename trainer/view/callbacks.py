@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from dasktrain._durable import StorageOptions, check_storage_options, join, remove
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.history import History
-    from dasktrain.trainer.trainer import Trainer
+    from dasktrain.trainer.driver.trainer import Trainer
+    from dasktrain.trainer.view.history import History
 
 __all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "ReduceLROnPlateau",
            "as_callbacks", "monitored", "tell_exception"]

@@ -24,18 +24,18 @@ import torch
 from distributed import get_worker
 
 from dasktrain._malloc import tune_allocator
-from dasktrain.trainer.arithmetic import Arithmetic, Lease, as_tensor
-from dasktrain.trainer.buckets import BUCKET_BYTES, bucket_order
-from dasktrain.trainer.channel import ChannelServer, channel_host
-from dasktrain.trainer.divergence import NonFiniteGuard, all_finite, check_policy
 from dasktrain.trainer.errors import TrainerError, TrainingDiverged
+from dasktrain.trainer.exchange.buckets import BUCKET_BYTES, bucket_order
+from dasktrain.trainer.exchange.channel import ChannelServer, channel_host
 from dasktrain.trainer.flat import FlatLayout, FlatModel
-from dasktrain.trainer.membership import Membership, Watchdog
+from dasktrain.trainer.holder.arithmetic import Arithmetic, Lease, as_tensor
+from dasktrain.trainer.holder.divergence import NonFiniteGuard, all_finite, check_policy
+from dasktrain.trainer.holder.membership import Membership, Watchdog
+from dasktrain.trainer.holder.records import Records
+from dasktrain.trainer.holder.shards import check_shards, shard_layouts, shard_states
 from dasktrain.trainer.modes import Contribution, get_mode, mode_class
 from dasktrain.trainer.modes.base import Adjust, Adjusted
 from dasktrain.trainer.optim import OptimizerConfig
-from dasktrain.trainer.records import Records
-from dasktrain.trainer.shards import check_shards, shard_layouts, shard_states
 
 __all__ = ["HolderConfig", "ParameterHolder"]
 
@@ -70,16 +70,17 @@ class HolderConfig:
     """Intra-op threads of torch in the holder's process."""
     direct_channel: bool = True
     """Pushes from workers in other processes go over a direct TCP connection to the
-    holder (see :mod:`dasktrain.trainer.channel`); False keeps them on the actor's calls."""
+    holder (see :mod:`dasktrain.trainer.exchange.channel`); False keeps them on the actor's
+    calls."""
     shared_memory: bool = True
     """Workers on the holder's host push through memory shared with it instead of bytes
-    over the direct channel's socket (see :mod:`dasktrain.trainer.shared`)."""
+    over the direct channel's socket (see :mod:`dasktrain.trainer.exchange.shared`)."""
     bucket_bytes: int = BUCKET_BYTES
     """Least bytes of a bucket of the direct channel's payload order (see
-    :mod:`dasktrain.trainer.buckets`)."""
+    :mod:`dasktrain.trainer.exchange.buckets`)."""
     on_nonfinite: str = "raise"
     """A non-finite gradient or loss stops the run (``"raise"``) or is refused and skipped
-    (``"skip"``); see :mod:`dasktrain.trainer.divergence`."""
+    (``"skip"``); see :mod:`dasktrain.trainer.holder.divergence`."""
     nonfinite_patience: int = 10
     """With ``"skip"``: rounds (one gradient per worker) all refused in a row that still
     stop the run, since no update is possible any more."""
@@ -89,7 +90,7 @@ class HolderConfig:
     """Clip each value of an applied gradient to ``[-v, v]`` (before the norm)."""
     shard: tuple[int, int] | None = None
     """``(k, K)``: this holder is shard k of K and keeps slice k of the parameters (see
-    :mod:`dasktrain.trainer.shards`)."""
+    :mod:`dasktrain.trainer.holder.shards`)."""
 
     def __post_init__(self) -> None:
         if not callable(self.model):
@@ -351,7 +352,7 @@ class ParameterHolder:
         await self._mode.lost(worker)
 
     async def notify(self, worker: int, notices: list[dict[str, str]]) -> None:
-        """Warnings a worker saw (see :mod:`dasktrain.trainer.notices`), for the driver."""
+        """Warnings a worker saw (see :mod:`dasktrain.trainer.worker.notices`), for the driver."""
         self._members.check(worker)
         self._notices.extend({**n, "worker": worker} for n in notices)
 

@@ -7,7 +7,7 @@ two payloads per process whatever N is. Across hosts that interface becomes the 
 one host, memory shared with the holder makes the exchange cost a memory copy per worker;
 see :mod:`.shared`). ``Trainer(holder_shards=K)`` splits the holder into K actors, placed
 on K workers spread over the cluster's hosts (see :func:`shard_workers`), each a
-:class:`~dasktrain.trainer.holder.ParameterHolder` over a slice of whole tensors: the
+:class:`~dasktrain.trainer.holder.actor.ParameterHolder` over a slice of whole tensors: the
 parameters are cut into K runs of consecutive tensors of about equal size, the last shard
 also keeping the model's buffers. Every worker pushes slice k of its gradient to shard k
 and receives slice k of the parameters from it, straight into its model's own memory, so
@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from dasktrain._cluster import worker_info
-from dasktrain.trainer.divergence import all_finite
+from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.handle import HolderHandle
+from dasktrain.trainer.holder.divergence import all_finite
 
 __all__ = ["HolderShards", "ShardedHandle", "check_shards", "open_handle", "shard_layouts",
            "shard_states", "shard_workers"]

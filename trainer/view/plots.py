@@ -1,5 +1,5 @@
 """Figures of a :class:`History`: loss, epoch metrics, staleness, contributors, workers,
-events (:mod:`dasktrain.trainer.compare` puts several runs on the same axes).
+events (:mod:`dasktrain.trainer.view.compare` puts several runs on the same axes).
 
 Figures are built as :class:`matplotlib.figure.Figure` objects, never through pyplot's
 global state: no display or GUI toolkit is needed (PNGs are drawn by Agg), nothing
@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, MaxNLocator
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.history import History
+    from dasktrain.trainer.view.history import History
 
 __all__ = ["FIGURES", "KINDS", "event_kind", "event_versions", "figure", "metric_names",
            "png_bytes"]

@@ -22,32 +22,32 @@ from dasktrain._cluster import cluster_client
 from dasktrain._durable import StorageOptions, check_storage_options
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline import EpochPlan, Pipeline
-from dasktrain.trainer.buckets import BUCKET_BYTES
-from dasktrain.trainer.callbacks import Callback, as_callbacks, tell_exception
-from dasktrain.trainer.checkpoint import load_checkpoint, save_checkpoint
-from dasktrain.trainer.compute import (
+from dasktrain.trainer.driver.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.trainer.driver.inference import (
+    ForwardFunction,
+    evaluate_on_cluster,
+    predict_on_cluster,
+)
+from dasktrain.trainer.driver.run import FitRun
+from dasktrain.trainer.driver.update_log import UpdateLog, records_of
+from dasktrain.trainer.errors import TrainingDiverged
+from dasktrain.trainer.exchange.buckets import BUCKET_BYTES
+from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.holder.actor import HolderConfig
+from dasktrain.trainer.holder.divergence import check_policy
+from dasktrain.trainer.holder.shards import check_shards
+from dasktrain.trainer.modes import mode_class
+from dasktrain.trainer.optim import OptimizerConfig
+from dasktrain.trainer.view.callbacks import Callback, as_callbacks, tell_exception
+from dasktrain.trainer.view.history import History
+from dasktrain.trainer.worker.compute import (
     BatchCompute,
     MetricFunction,
     MetricTotals,
     StepFunction,
     check_compute_options,
 )
-from dasktrain.trainer.divergence import check_policy
-from dasktrain.trainer.errors import TrainingDiverged
-from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.history import History
-from dasktrain.trainer.holder import HolderConfig
-from dasktrain.trainer.inference import (
-    ForwardFunction,
-    evaluate_on_cluster,
-    predict_on_cluster,
-)
-from dasktrain.trainer.modes import mode_class
-from dasktrain.trainer.optim import OptimizerConfig
-from dasktrain.trainer.run import FitRun
-from dasktrain.trainer.shards import check_shards
-from dasktrain.trainer.update_log import UpdateLog, records_of
-from dasktrain.trainer.worker import LossFunction, WorkerConfig
+from dasktrain.trainer.worker.loop import LossFunction, WorkerConfig
 
 __all__ = ["Trainer"]
 
@@ -173,7 +173,7 @@ class Trainer:
     holder_shards
         Split the holder into this many actors, each keeping a slice of whole parameter
         tensors and its optimizer state, on workers spread over the cluster's hosts (see
-        :mod:`dasktrain.trainer.shards`): each host then carries its share of the exchange
+        :mod:`dasktrain.trainer.holder.shards`): each host then carries its share of the exchange
         instead of one holder's interface carrying every worker's. For clusters of several
         machines; on one host, memory shared with a single holder costs less. ``sync``
         mode only, without ``clip_grad_norm``. Default 1.

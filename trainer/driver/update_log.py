@@ -3,7 +3,7 @@
 A checkpoint is rewritten whole at every save; if it carried every update's record, a long
 run's checkpoint I/O would grow with the square of its length. The checkpoint therefore
 holds the run's summary (epochs, events, counters) and this file holds one line per update:
-its fields (:data:`~dasktrain.trainer.records.PER_UPDATE`) as values and each per-gradient
+its fields (:data:`~dasktrain.trainer.holder.records.PER_UPDATE`) as values and each per-gradient
 field as a list with one entry per gradient recorded for it (``"staleness": […],
 "staleness_worker": […], "scale": […], …``). A resume keeps the lines up to the
 checkpoint's version (later ones are redone) and rewrites the file to those.
@@ -26,8 +26,8 @@ from dasktrain._durable import (
     read_bytes,
     write_bytes_atomic,
 )
-from dasktrain.trainer.checkpoint import checkpoint_file
-from dasktrain.trainer.records import PER_GRADIENT, PER_UPDATE
+from dasktrain.trainer.driver.checkpoint import checkpoint_file
+from dasktrain.trainer.holder.records import PER_GRADIENT, PER_UPDATE
 
 __all__ = ["UpdateLog", "records_of", "rows_of"]
 

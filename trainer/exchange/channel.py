@@ -51,10 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from dasktrain.trainer import shared
-from dasktrain.trainer.admission import WaitingRoom
 from dasktrain.trainer.errors import HolderLost, TrainerError
-from dasktrain.trainer.reconnect import ChannelRefused, connect_retrying
+from dasktrain.trainer.exchange import shared
+from dasktrain.trainer.exchange.admission import WaitingRoom
+from dasktrain.trainer.exchange.reconnect import ChannelRefused, connect_retrying
 
 __all__ = ["ChannelClient", "ChannelServer", "OutgoingPush", "channel_host"]
 

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain.trainer.callbacks import Callback
-from dasktrain.trainer.update_log import rows_of
+from dasktrain.trainer.driver.update_log import rows_of
+from dasktrain.trainer.view.callbacks import Callback
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.history import History
-    from dasktrain.trainer.trainer import Trainer
+    from dasktrain.trainer.driver.trainer import Trainer
+    from dasktrain.trainer.view.history import History
 
 __all__ = ["JsonLinesLogger", "MLflowLogger", "TensorBoardLogger", "epoch_scalars",
            "strict_json"]

@@ -23,16 +23,17 @@ from distributed import Client, Future, wait
 from distributed.client import FutureCancelledError
 
 from dasktrain._cluster import worker_info
+from dasktrain._deadline import wait_until
 from dasktrain._durable import StorageOptions
-from dasktrain.trainer.checkpoint import save_checkpoint
+from dasktrain.trainer.driver.checkpoint import save_checkpoint
+from dasktrain.trainer.driver.update_log import UpdateLog
+from dasktrain.trainer.driver.watch import PauseWatch
 from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged
-from dasktrain.trainer.handle import HolderHandle
-from dasktrain.trainer.history import History
-from dasktrain.trainer.holder import HolderConfig, ParameterHolder
-from dasktrain.trainer.shards import HolderShards, shard_workers
-from dasktrain.trainer.update_log import UpdateLog
-from dasktrain.trainer.watch import PauseWatch
-from dasktrain.trainer.worker import WorkerConfig, WorkerFailure, run_worker
+from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder.shards import HolderShards, shard_workers
+from dasktrain.trainer.view.history import History
+from dasktrain.trainer.worker.loop import WorkerConfig, WorkerFailure, run_worker
 
 __all__ = ["FitRun"]
 
@@ -83,7 +84,7 @@ class FitRun:
         if shards == 1:
             targets = [holder_worker or _roomiest(workers)]
             configs = [holder_config]
-        else:  # spread over the hosts (see dasktrain.trainer.shards)
+        else:  # spread over the hosts (see dasktrain.trainer.holder.shards)
             targets = shard_workers(self.addresses, shards, holder_worker)
             configs = [dataclasses.replace(holder_config, shard=(k, shards))
                        for k in range(shards)]
@@ -109,18 +110,17 @@ class FitRun:
     def _await_holder(self, future: Future, target: str, timeout: float) -> Any:
         """The holder actor once it is built, failing within seconds if its worker is
         paused (it would never start)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return future.result(timeout=1.0)
-            except TimeoutError:
-                self._pauses.check(None, "starting the parameter holder")
-                if time.monotonic() >= deadline:
-                    raise TrainerError(f"the parameter holder did not start on {target} "
-                                       f"within {timeout:.0f}s") from None
-            except Exception as exc:
-                raise TrainerError(f"could not start the parameter holder on {target}: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+        try:
+            return wait_until(
+                lambda left: future.result(timeout=left), timeout=timeout,
+                check=lambda: self._pauses.check(None, "starting the parameter holder"),
+                expired=lambda: TrainerError(f"the parameter holder did not start on "
+                                             f"{target} within {timeout:.0f}s"))
+        except TrainerError:
+            raise
+        except Exception as exc:
+            raise TrainerError(f"could not start the parameter holder on {target}: "
+                               f"{type(exc).__name__}: {exc}") from exc
 
     # -- holder calls from the driver --------------------------------------------------
     def call(self, method: str, *args: Any) -> Any:

@@ -24,19 +24,19 @@ from distributed import get_client, get_worker, secede
 from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
-from dasktrain.trainer.buckets import GradientReadiness
-from dasktrain.trainer.compute import BatchCompute, LossScale, MetricTotals, batch_size_of
+from dasktrain.trainer.exchange.buckets import GradientReadiness
+from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.handle import HolderHandle
+from dasktrain.trainer.holder.shards import ShardedHandle, open_handle
 from dasktrain.trainer.modes import mode_class, worker_step_class
-from dasktrain.trainer.notices import (
+from dasktrain.trainer.worker.compute import BatchCompute, LossScale, MetricTotals, batch_size_of
+from dasktrain.trainer.worker.notices import (
     capture_warnings,
     shape_notice,
     taken_warnings,
     watch_this_thread,
 )
-from dasktrain.trainer.shards import ShardedHandle, open_handle
-from dasktrain.trainer.steps import StepContext, WorkerStep
+from dasktrain.trainer.worker.steps import StepContext, WorkerStep
 
 __all__ = ["WorkerConfig", "WorkerFailure", "pick_device", "run_worker"]
 
@@ -127,7 +127,7 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int
 
 
 def _step_for(config: WorkerConfig, flat: FlatModel, epoch: int) -> WorkerStep:
-    """The mode's worker step (see :mod:`dasktrain.trainer.steps`)."""
+    """The mode's worker step (see :mod:`dasktrain.trainer.worker.steps`)."""
     context = StepContext(config.optimizer, dict(config.mode_options),
                           step_offset=sum(config.epoch_steps[:epoch]),
                           total_steps=sum(config.epoch_steps), clip=config.clip)

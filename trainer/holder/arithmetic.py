@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dasktrain.trainer.compute import clip_gradient
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.optim import OptimizerConfig
+from dasktrain.trainer.optim.flat import FlatOptimizer
+from dasktrain.trainer.worker.compute import clip_gradient
 
 __all__ = ["INLINE_SIZE", "Arithmetic", "Lease", "as_tensor"]
 

@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain.trainer.files import write_atomically
-from dasktrain.trainer.records import PER_GRADIENT, PER_UPDATE
+from dasktrain.trainer.driver.files import write_atomically
+from dasktrain.trainer.holder.records import PER_GRADIENT, PER_UPDATE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -158,7 +158,7 @@ class History:
         ``"staleness"``, ``"contributors"``, ``"workers"`` (data stall and samples/s per
         worker per epoch) or ``"events"``. ``fig.savefig("x.png")`` writes it.
         """
-        from dasktrain.trainer.plots import figure
+        from dasktrain.trainer.view.plots import figure
 
         return figure(self, kind)
 
@@ -166,7 +166,7 @@ class History:
         """Write a report into the directory ``path``: a PNG per figure and ``index.html``,
         one self-contained page (summary table, epochs, figures, events) that names each
         figure's PNG. Returns the page's path."""
-        from dasktrain.trainer.report import write_report
+        from dasktrain.trainer.view.report import write_report
 
         return write_report(self, path)
 
