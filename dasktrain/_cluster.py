@@ -12,18 +12,22 @@ closes when the process exits.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 
 import dask
 import dask.config
 from distributed import Client, LocalCluster, default_client
 
+from dasktrain import _embedded_worker
 from dasktrain._malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
 
 __all__ = [
@@ -43,6 +47,8 @@ logger = logging.getLogger(__name__)
 #: Worker processes of the embedded LocalCluster: one per core, at most this many (more
 #: processes on a big machine mostly add memory and start-up time for small jobs).
 MAX_LOCAL_WORKERS = 8
+#: Seconds a Ctrl-C during the embedded cluster's start waits for it, to close it cleanly.
+_START_WAIT = 30.0
 
 
 #: glibc allocator settings of the embedded cluster's worker processes. distributed starts
@@ -248,14 +254,59 @@ atexit.register(close_embedded)
 
 def start_local_cluster(n_workers: int | None = None,
                         memory_limit: str | float | None = None) -> LocalCluster:
-    """The embedded default: a LocalCluster on 127.0.0.1 sized for this machine."""
+    """The embedded default: a LocalCluster on 127.0.0.1 sized for this machine.
+
+    Its worker processes never get the signals a terminal sends to this process's group
+    (Ctrl-C): this process handles them and closes the cluster (see
+    :mod:`dasktrain._embedded_worker`).
+    """
     options = default_local_cluster_options(n_workers, memory_limit)
+    configured = dask.config.get("distributed.worker.preload", None) or []
+    options["preload"] = [*([configured] if isinstance(configured, str) else configured),
+                          _embedded_worker.__name__]
     logger.info("starting a LocalCluster with %d worker(s)", options["n_workers"])
-    with warnings.catch_warnings(), _worker_malloc_settings():
-        # Another cluster holding port 8787 only moves our (loopback) HTTP server elsewhere.
-        warnings.filterwarnings("ignore", message="Port .* is already in use")
-        # The nannies read the environment as they are made, within this call.
-        return LocalCluster(**options)
+
+    def start() -> LocalCluster:
+        with warnings.catch_warnings(), _worker_malloc_settings():
+            # Another cluster holding port 8787 only moves our (loopback) HTTP server.
+            warnings.filterwarnings("ignore", message="Port .* is already in use")
+            # The nannies read the environment as they are made, within this call.
+            return LocalCluster(**options)
+
+    return _with_terminal_signals_blocked(start)
+
+
+def _with_terminal_signals_blocked(start: Callable[[], LocalCluster]) -> LocalCluster:
+    """``start()`` in a thread that blocks :data:`~dasktrain._embedded_worker.TERMINAL_SIGNALS`.
+
+    The cluster's event loop thread is made within ``start()`` and inherits the block, and
+    so do the threads it makes and the worker processes they spawn, now and at every
+    restart; each worker unblocks them once it has left this process group. The calling
+    thread keeps them unblocked, so it is the one a Ctrl-C interrupts.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        return start()
+    started: concurrent.futures.Future[LocalCluster] = concurrent.futures.Future()
+
+    def run() -> None:
+        # multiprocessing unblocks these signals in the thread that starts its resource
+        # tracker (which protects itself the same way): start it here, before the block.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, _embedded_worker.TERMINAL_SIGNALS)
+        try:
+            started.set_result(start())
+        except BaseException as exc:
+            started.set_exception(exc)
+
+    threading.Thread(target=run, name="dasktrain-cluster-start", daemon=True).start()
+    try:
+        return started.result()
+    except KeyboardInterrupt:
+        # A start cannot be cut short: let it end (a second Ctrl-C does not wait) and close
+        # what it made, so that none of it outlives the interrupted call or talks after it.
+        with contextlib.suppress(Exception):
+            started.result(timeout=_START_WAIT).close(timeout=10)
+        raise
 
 
 def worker_info(client: Client) -> dict[str, dict]:

@@ -2,12 +2,15 @@
 
 A failed, interrupted or killed build leaves nothing at the destination; a replaced dataset
 is moved aside first and restored if the final rename fails, so an existing good dataset is
-never lost to a bad run.
+never lost to a bad run. What a killed build leaves beside the destination is removed by the
+next build of it that succeeds (see :mod:`dasktrain.datasets.leftovers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -17,6 +20,7 @@ import zarr
 
 from dasktrain._durable import fsync_directory
 from dasktrain.datasets.format import ATTRS_KEY
+from dasktrain.datasets.leftovers import leftovers, lock_directory, locked_by_another
 
 __all__ = ["StagedDirectory", "check_output_path"]
 
@@ -49,11 +53,17 @@ class StagedDirectory:
 
     def __init__(self, target: Path) -> None:
         self.target = target
-        token = uuid.uuid4().hex[:8]
+        token = self.token = uuid.uuid4().hex[:8]
         self.path = target.parent / f".{target.name}.tmp-{token}"
         self.scratch = target.parent / f".{target.name}.scratch-{token}"
         target.parent.mkdir(parents=True, exist_ok=True)
-        self.path.mkdir()
+        # Locked under a private name, then renamed: a build is never seen unlocked.
+        starting = target.parent / f".{target.name}.new-{token}"
+        starting.mkdir()
+        self._lock: int | None = None
+        with contextlib.suppress(OSError):  # no flock here: others then never remove it
+            self._lock = lock_directory(starting)
+        os.replace(starting, self.path)
         # The scratch directory is made by what needs it (most builds never do).
         self.source_scratch = str(self.scratch / "source")
 
@@ -84,8 +94,30 @@ class StagedDirectory:
         fsync_directory(self.target.parent)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
+        self._unlock()
+        self._remove_leftovers()
 
     def discard(self) -> None:
         """Remove everything this build wrote; the target is untouched."""
         shutil.rmtree(self.path, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def _remove_leftovers(self) -> None:
+        """Remove the build and scratch directories of killed builds of the same target."""
+        parent, name = self.target.parent, self.target.name
+        pattern = re.compile(rf"\.{re.escape(name)}\.(?:tmp|scratch)-([0-9a-f]{{8}})")
+
+        def build_of(entry: str) -> str | None:
+            match = pattern.fullmatch(entry)
+            return match.group(1) if match else None
+
+        with contextlib.suppress(OSError):  # best effort: the dataset is published
+            for entry in leftovers(os.listdir(parent), build_of, self.token, lambda token:
+                                   locked_by_another(parent / f".{name}.tmp-{token}")):
+                shutil.rmtree(parent / entry, ignore_errors=True)

@@ -12,8 +12,9 @@ import zarr
 from dask.base import tokenize
 
 from dasktrain._durable import is_url, storage_errors, url_filesystem
+from dasktrain.datasets.chunks import MANIFEST_KEY, checked_array, validate_manifest
 from dasktrain.datasets.errors import DatasetError
-from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION
+from dasktrain.datasets.format import ATTRS_KEY, FORMAT_VERSION, READABLE_VERSIONS
 
 __all__ = ["Dataset", "array_path", "open_dataset"]
 
@@ -92,16 +93,32 @@ class Dataset:
         return self._identity
 
     @property
+    def chunks_recorded(self) -> bool:
+        """Whether the dataset records its chunks (format version 2 on): reads then refuse
+        a missing or altered chunk. Older datasets read a missing chunk as zeros."""
+        return self.attrs.get(MANIFEST_KEY) is not None
+
+    @property
     def splits(self) -> dict[str, tuple[int, int]]:
         """Named splits as ``{name: (start, stop)}`` sample ranges of the whole dataset."""
         return {k: (int(a), int(b)) for k, (a, b) in (self.attrs.get("splits") or {}).items()}
 
     # -- access ------------------------------------------------------------------------
-    def zarr_array(self, name: str) -> zarr.Array:
-        """The Zarr array behind ``name`` (all samples, not only this view's range)."""
+    def zarr_array(self, name: str, *, checksums: bool = True) -> zarr.Array:
+        """The Zarr array behind ``name`` (all samples, not only this view's range).
+
+        Where the dataset records its chunks, the array reads a chunk only if it is stored
+        with the recorded size and (unless ``checksums`` is false) CRC-32C, and raises
+        :class:`~dasktrain.datasets.chunks.ChunkError` naming the chunk otherwise.
+        """
         if name not in self.attrs["arrays"]:
             raise KeyError(f"no array {name!r} in {self.url}; arrays: {self.array_names}")
-        return self.group[array_path(self.attrs, name)]
+        array = self.group[array_path(self.attrs, name)]
+        record = self.attrs.get(MANIFEST_KEY)
+        if record is None:
+            return array
+        return checked_array(array, url=self.url, name=name, record=record[name],
+                             checksums=checksums)
 
     def __getitem__(self, name: str) -> da.Array:
         z = self.zarr_array(name)
@@ -211,11 +228,12 @@ def open_dataset(path: PathLike, *, storage_options: dict | None = None) -> Data
             "create one with `dasktrain prepare`"
         )
     version = attrs.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise DatasetError(
-            f"{url} has dataset format version {version!r}; this dasktrain reads version "
-            f"{FORMAT_VERSION}"
+            f"{url} has dataset format version {version!r}; this dasktrain reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} (it writes {FORMAT_VERSION})"
         )
+    validate_manifest(url, attrs)
     with storage_errors(url):
         missing = [name for name in attrs["arrays"] if array_path(attrs, name) not in group]
     if missing:

@@ -4,7 +4,7 @@ A dataset is a Zarr v3 group whose arrays share axis 0 (samples) and are chunked
 it. Everything else lives in the group attribute ``"dasktrain"``::
 
     {
-      "format_version": 1,
+      "format_version": 2,
       "dataset_id": "5f0c...",   # random, new for every build (absent in older datasets)
       "num_samples": 1797,
       "chunk_rows": 4096,
@@ -14,8 +14,14 @@ it. Everything else lives in the group attribute ``"dasktrain"``::
       "normalization": {"x": {"mean": [...], "std": [...], "fitted_on": "train"}} | null,
       "splits": {"train": [0, 1438], "val": [1438, 1797]},
       "classes": {"y": {"num_classes": 10, "counts": [...], "labels": null}},
-      "provenance": {"source": "digits", "options": {...}, "created": "...", "dasktrain": "0.1.0"}
+      "provenance": {"source": "digits", "options": {...}, "created": "...", "dasktrain": "0.1.0"},
+      "chunks": {"x": {"count": 1, "bytes": [...], "crc32c": [...]}, "y": {...}}
     }
+
+Version 2 stores every chunk (none is left out for equalling the fill value) and records each
+chunk's stored size and CRC-32C under ``"chunks"`` (see :mod:`dasktrain.datasets.chunks`), so
+that a missing or altered chunk is an error, never rows of fill values. Version 1 datasets
+(no ``"chunks"``) still open and read; their chunks are not checked.
 
 Splits are contiguous sample ranges, so a split is a slice and reading it touches only the
 chunks it covers.
@@ -37,12 +43,16 @@ __all__ = [
     "ATTRS_KEY",
     "DEFAULT_CHUNK_BYTES",
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "ROLES",
     "chunk_rows_for",
     "parse_size",
 ]
 
-FORMAT_VERSION = 1
+#: The version :func:`~dasktrain.prepare` writes; 2 added the chunk record.
+FORMAT_VERSION = 2
+#: Versions :func:`~dasktrain.open_dataset` reads.
+READABLE_VERSIONS = (1, 2)
 ATTRS_KEY = "dasktrain"
 ROLES = ("features", "targets")
 #: 4 MiB of rows (all arrays together) per chunk: large enough that a read task does real

@@ -14,6 +14,8 @@ from distributed import Client
 from dasktrain._cluster import cluster_client
 from dasktrain._durable import StorageOptions, is_url, storage_errors, url_filesystem
 from dasktrain._progress import gather_with_progress
+from dasktrain.datasets.chunks import ChunkError
+from dasktrain.datasets.cleaning import cleaning_summary, constant_summary
 from dasktrain.datasets.dataset import Dataset, array_path, open_dataset
 from dasktrain.datasets.errors import DatasetError
 from dasktrain.datasets.stats import merge_all, summary_of
@@ -39,6 +41,11 @@ def _stored_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
         return int(fs.du(f"{root}/{array_path(ds.attrs, name)}"))
 
 
+def _normalized(attrs: dict[str, Any], array: str, norm: dict[str, Any]) -> str:
+    constant = constant_summary(attrs, array)
+    return f"{array} (fitted on {norm['fitted_on']})" + (f"; {constant}" if constant else "")
+
+
 def describe(path: str | Dataset, *, storage_options: StorageOptions | None = None) -> str:
     """A human-readable summary: schema, sizes, chunking, compression ratio and splits.
 
@@ -48,7 +55,9 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
                                                              storage_options=storage_options)
     attrs = ds.attrs
     lines = [f"dataset   {ds.url}",
-             f"samples   {attrs['num_samples']:,} in chunks of {attrs['chunk_rows']:,} rows"]
+             f"samples   {attrs['num_samples']:,} in chunks of {attrs['chunk_rows']:,} rows",
+             "integrity " + ("size and CRC-32C of every chunk recorded: a missing or altered "
+                             "chunk is an error" if ds.chunks_recorded else _NOT_RECORDED)]
     total_raw = total_stored = 0
     lines.append("arrays")
     for name in ds.array_names:
@@ -68,8 +77,11 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     splits = ds.splits
     lines.append("splits    " + (", ".join(f"{k}={b - a:,} [{a:,}:{b:,})"
                                          for k, (a, b) in splits.items()) or "none"))
+    dropped = cleaning_summary(attrs)
+    if dropped is not None:
+        lines.append(f"cleaning  {dropped}")
     norm = attrs.get("normalization")
-    lines.append("normalized " + (", ".join(f"{k} (fitted on {v['fitted_on']})"
+    lines.append("normalized " + (", ".join(_normalized(attrs, k, v)
                                            for k, v in norm.items()) if norm else "no"))
     for name, stat in attrs["stats"].items():
         mean = np.asarray(stat["mean"]).ravel()
@@ -85,34 +97,61 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     return "\n".join(lines)
 
 
+_NOT_RECORDED = ("chunk integrity is not recorded for this dataset (format version 1): a "
+                 "missing chunk reads as zeros and an altered one is not detected; rebuild it "
+                 "with `dasktrain prepare ... --overwrite` to record its chunks")
+
+
 @dataclasses.dataclass(slots=True)
 class VerifyReport:
-    """What :func:`verify` found; ``problems`` is empty for a good dataset."""
+    """What :func:`verify` found; ``problems`` is empty for a good dataset. ``notes`` say
+    what could not be checked (a dataset that does not record its chunks), not problems."""
 
     url: str
     chunks_read: int
     problems: list[str]
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def _check_chunk(array: zarr.Array, name: str, index: int, chunk_rows: int
-                 ) -> tuple[Any, list[str]]:
+def _check_chunk(array: zarr.Array, raw: zarr.Array, name: str, index: int, chunk_rows: int
+                 ) -> tuple[Any, list[str], bool]:
+    """Check one chunk against its record (through ``array``), then its values.
+
+    Returns its summary (None when it cannot be read), the problems found and whether the
+    chunk itself is damaged. A chunk that is there but differs from its record is decoded
+    anyway (through ``raw``, which checks nothing): a chunk rewritten with other values then
+    also shows what changed in it (NaN, statistics).
+    """
     start = index * chunk_rows
+    stop = min(start + chunk_rows, array.shape[0])
+    where = f"array {name!r} chunk {index} (rows {start}:{stop})"
+    problems: list[str] = []
     try:
         block = array[start : start + chunk_rows]
+    except ChunkError as exc:
+        problems.append(f"{where} {exc.reason}")
+        if exc.kind == "missing":
+            return None, problems, True
+        block = None
     except Exception as exc:  # any decode failure names the chunk, whatever the codec raised
-        return None, [f"array {name!r} chunk {index} (rows {start}:{start + chunk_rows}) "
-                      f"cannot be read: {type(exc).__name__}: {exc}"]
-    problems = []
+        return None, [f"{where} cannot be read: {type(exc).__name__}: {exc}"], True
+    if block is None:
+        try:
+            block = raw[start : start + chunk_rows]
+        except Exception as exc:
+            problems.append(f"{where} cannot be read: {type(exc).__name__}: {exc}")
+            return None, problems, True
+    damaged = bool(problems)
     if block.dtype.kind == "f":
         bad = ~np.isfinite(block.reshape(len(block), -1)).all(axis=1)
         if bad.any():
             problems.append(f"array {name!r} chunk {index} has {int(bad.sum())} row(s) with "
                             f"NaN or infinite values (first at row {start + int(bad.argmax())})")
-    return summary_of(block), problems
+    return summary_of(block), problems, damaged
 
 
 def _close(recorded: Any, found: Any, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
@@ -126,7 +165,8 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
     tasks, owners = [], []
     n = attrs["num_samples"]
     for name, meta in attrs["arrays"].items():
-        z = ds.zarr_array(name)
+        z = ds.zarr_array(name)  # the chunks of a version-1 dataset are not checked
+        raw = ds.group[array_path(attrs, name)]
         if list(z.shape) != meta["shape"]:
             problems.append(f"array {name!r} has shape {z.shape}, attributes say {meta['shape']}")
         if str(z.dtype) != meta["dtype"]:
@@ -139,7 +179,7 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
             continue
         for index in range(math.ceil(n / z.chunks[0])):
             tasks.append(dask.delayed(_check_chunk, pure=False)(
-                z, name, index, z.chunks[0]))
+                z, raw, name, index, z.chunks[0]))
             owners.append(name)
     splits = attrs.get("splits") or {}
     edge = 0
@@ -149,14 +189,20 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
         edge = b
     if splits and edge != n:
         problems.append(f"splits cover {edge} samples, the dataset has {n}")
+    notes = [] if ds.chunks_recorded else [_NOT_RECORDED]
     if problems:
-        return VerifyReport(ds.url, 0, problems)
+        return VerifyReport(ds.url, 0, problems, notes)
     results = gather_with_progress(client, client.compute(tasks), "verifying", progress)
     by_array: dict[str, list] = {}
-    for name, (summary, found) in zip(owners, results, strict=True):
+    damaged = 0
+    for name, (summary, found, chunk_damaged) in zip(owners, results, strict=True):
         problems.extend(found)
+        damaged += chunk_damaged
         if summary is not None:
             by_array.setdefault(name, []).append(summary)
+    if damaged:
+        problems.append(f"{damaged} chunk(s) missing, altered or unreadable: rebuild the "
+                        "dataset with `dasktrain prepare SOURCE OUT --overwrite`")
     for name, parts in by_array.items():
         if len(parts) != sum(o == name for o in owners):
             continue  # unreadable chunks already reported; statistics would mislead
@@ -172,13 +218,15 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
                                 f"{np.max(np.abs(np.subtract(recorded[key], found[key]))):.3g})")
         if recorded.get("class_counts") not in (None, found.get("class_counts")):
             problems.append(f"array {name!r}: recorded class counts do not match the data")
-    return VerifyReport(ds.url, len(tasks), problems)
+    return VerifyReport(ds.url, len(tasks), problems, notes)
 
 
 def verify(path: str | Dataset, *, client: Client | None = None, scheduler: str | None = None,
            progress: bool = True, storage_options: StorageOptions | None = None
            ) -> VerifyReport:
-    """Read every chunk of every array and check shapes, dtypes, finiteness and statistics.
+    """Read every chunk of every array and check shapes, dtypes, finiteness and statistics,
+    and each chunk's stored size and CRC-32C against those the dataset recorded (a missing or
+    altered chunk is reported by array, chunk index and rows).
 
     Reading happens in Dask tasks, one per chunk, on the given cluster or a LocalCluster.
     Returns a :class:`VerifyReport`; it raises only when the path is not a dataset at all.

@@ -45,6 +45,8 @@ from dasktrain._durable import StorageOptions, is_url, local_path, strip_url
 from dasktrain._malloc import tune_allocator
 from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.atomic import StagedDirectory, check_output_path
+from dasktrain.datasets.chunks import MANIFEST_KEY, Written, manifest_of, record_writes
+from dasktrain.datasets.cleaning import warn_about_cleaning
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
 from dasktrain.datasets.errors import DatasetError, SourceError
@@ -104,6 +106,9 @@ def _create_arrays(group: zarr.Group, source: Source, num_samples: int, chunk_ro
             name, shape=(num_samples, *spec.sample_shape), dtype=spec.dtype,
             chunks=(min(chunk_rows, max(num_samples, 1)), *spec.sample_shape),
             compressors=_compressors(compression), fill_value=0,
+            # Every chunk is stored, zeros too: a chunk that is not there is then damage,
+            # never a chunk of fill values (see dasktrain.datasets.chunks).
+            config={"write_empty_chunks": True},
         )
         for name, spec in source.specs.items()
     }
@@ -154,16 +159,17 @@ def _all_finite(summary: Summary) -> bool:
 
 def _write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_finite: bool,
                 ranges: list[tuple[int, int]], *blocks: np.ndarray
-                ) -> dict[str, Summary] | None:
+                ) -> tuple[dict[str, Summary], Written] | None:
     """One pass: write the source's rows as they are, chunk by chunk (``ranges``, with the
     source's blocks of each chunk in ``blocks`` where there is no reader), returning the
-    statistics of all of them.
+    statistics of all of them and the chunks stored.
 
     With ``require_finite``, a chunk holding NaN or infinities is not written and None is
     returned: the caller then falls back to the cleaning (two-pass) build. The statistics
     are computed first because they tell that for free.
     """
     names = list(out)
+    stored, log = record_writes(out)  # out stays: _still_wanted looks at its store
     total: dict[str, Summary] | None = None
     for k, (start, stop) in enumerate(ranges):
         _still_wanted(out)  # per chunk: an abandoned build stops within one chunk's time
@@ -171,10 +177,11 @@ def _write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_
         summaries = {name: summary_of(block) for name, block in rows.items()}
         if require_finite and not all(_all_finite(s) for s in summaries.values()):
             return None
-        _write_together(out, slice(start, stop), rows)
+        _write_together(stored, slice(start, stop), rows)
         total = summaries if total is None else {
             name: total[name].merge(summaries[name]) for name in names}
-    return total
+    assert total is not None, "a task writes at least one chunk"
+    return total, log.written()
 
 
 def _write_together(out: dict[str, zarr.Array], rows: slice, blocks: dict[str, np.ndarray]
@@ -219,10 +226,12 @@ def _stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str 
 
 
 def _write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],
-                  chunks: list[tuple[int, list[tuple[int, int]]]]) -> dict[str, Summary]:
+                  chunks: list[tuple[int, list[tuple[int, int]]]]
+                  ) -> tuple[dict[str, Summary], Written]:
     """Second pass: write output chunks, each ``(start, pieces)``: its rows gathered from
     the scratch arrays ``sources`` by ``pieces`` (row ranges) and normalised. Returns the
-    statistics of all of them."""
+    statistics of all of them and the chunks stored."""
+    stored, log = record_writes(out)  # out stays: _still_wanted looks at its store
     total: dict[str, Summary] | None = None
     for start, pieces in chunks:
         _still_wanted(out)
@@ -235,12 +244,12 @@ def _write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str
                 block -= mean
                 block /= std
             blocks[name] = block
-        _write_together(out, slice(start, start + len(next(iter(blocks.values())))), blocks)
+        _write_together(stored, slice(start, start + len(next(iter(blocks.values())))), blocks)
         summaries = {name: summary_of(block) for name, block in blocks.items()}
         total = summaries if total is None else {
             name: total[name].merge(summaries[name]) for name in summaries}
     assert total is not None, "a task writes at least one chunk"
-    return total
+    return total, log.written()
 
 
 # -- orchestration (runs on the client) -------------------------------------------------------
@@ -407,11 +416,15 @@ def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     norm, normalization = {}, None
     if fit_name is not None:
         fit = merge_all([m for _, m in staged])
-        std = np.where(fit.std > 0, fit.std, 1.0)
+        # A constant feature is divided by 1, not by a std of 0 (or of rounding noise): it
+        # becomes 0, which the preparation warns about.
+        constant = fit.constant
+        std = np.where((fit.std > 0) & ~constant, fit.std, 1.0)
         norm[fit_name] = (fit.mean.astype(np.float32), std.astype(np.float32))
         normalization = {fit_name: {
             "mean": fit.mean.tolist(), "std": std.tolist(), "count": fit.count,
-            "fitted_on": plan.names[0] if plan else "all"}}
+            "fitted_on": plan.names[0] if plan else "all",
+            "constant": np.flatnonzero(constant).tolist()}}
     out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
     scratch_list = [scratch[n] for n in names]
     write = functools.partial(_write_chunks, out, scratch_list, norm)
@@ -460,12 +473,14 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_s
         "chunk_rows": chunk_rows,
         "arrays": {n: {"role": specs[n].role, "dtype": str(specs[n].dtype),
                        "shape": [num_samples, *specs[n].sample_shape]} for n in names},
-        "stats": {name: merge_all([r[name] for r in results]).to_json() for name in names},
+        "stats": {name: merge_all([r[name] for r, _ in results]).to_json() for name in names},
         "normalization": normalization,
         "splits": splits,
         "labels": src.labels,
         "rows_dropped_nonfinite": src.num_samples - num_samples,
         "provenance": _provenance(source, src, config),
+        MANIFEST_KEY: manifest_of([written for _, written in results],
+                                  dict.fromkeys(names, -(-num_samples // chunk_rows))),
     }
 
 
@@ -514,6 +529,12 @@ def prepare(
     FileExistsError
         ``out`` exists and ``overwrite`` is not set.
 
+    Warns
+    -----
+    CleaningWarning
+        Rows with NaN, infinite or (tabular) missing values were dropped, or ``normalize``
+        turned features constant on the fitted split into zeros; with the counts.
+
     Notes
     -----
     A local dataset is built in a hidden sibling of ``out`` and renamed into place at the
@@ -551,5 +572,6 @@ def prepare(
     except BaseException:
         staged.discard()
         raise
+    warn_about_cleaning(attrs)
     logger.info("prepared %s: %d samples", target, attrs["num_samples"])
     return open_dataset(target, storage_options=storage_options)

@@ -45,6 +45,7 @@ from dasktrain._durable import (
     url_filesystem,
 )
 from dasktrain.datasets.format import ATTRS_KEY
+from dasktrain.datasets.leftovers import leftovers
 
 __all__ = ["BUILD_PREFIX", "StagedPrefix", "check_output_url"]
 
@@ -52,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 #: Prefixes of builds under a dataset's URL; only these are ever deleted by a preparation.
 BUILD_PREFIX = "dasktrain-build-"
+
+
+def _build_of(name: str) -> str | None:
+    """The build a name under a dataset's URL belongs to (its scratch shares it), if any."""
+    return name.removesuffix("-scratch") if name.startswith(BUILD_PREFIX) else None
 
 
 def _names(fs: Any, root: str) -> list[str]:
@@ -147,9 +153,8 @@ class StagedPrefix:
             metadata = GroupMetadata(attributes={ATTRS_KEY: {**attrs, "arrays": arrays}})
             document = metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
             self.fs.pipe_file(f"{self.root}/zarr.json", document.to_bytes())
-            for name in names:
-                if name.startswith(BUILD_PREFIX) and name != self.name:
-                    self._remove(name)
+            for name in leftovers(names, _build_of, self.name):
+                self._remove(name)
             for path in previous:
                 if not path.startswith(BUILD_PREFIX):  # a dataset copied up from a disk
                     self._remove(path)

@@ -108,6 +108,13 @@ class Moments:
     def std(self) -> np.ndarray:
         return np.sqrt(self.m2 / max(self.count, 1))
 
+    @property
+    def constant(self) -> np.ndarray:
+        """Per feature (the shape of a sample), whether every value summarised is the same:
+        exact, from the minimum and maximum, where the std of a constant may be rounding
+        noise."""
+        return (self.minimum == self.maximum) & (self.count > 0)
+
     def to_json(self) -> dict[str, Any]:
         return {"count": self.count, "mean": self.mean.tolist(), "std": self.std.tolist(),
                 "min": self.minimum.tolist(), "max": self.maximum.tolist()}

@@ -15,6 +15,7 @@ import zarr
 from distributed.protocol import pickle
 
 from dasktrain._malloc import tune_allocator
+from dasktrain.datasets.chunks import ChunkError, repair_hint
 from dasktrain.pipeline.plan import EpochPlan, Piece
 
 __all__ = ["BlockFailed", "EpochContext", "Transform", "assemble_batches", "load_unit",
@@ -39,7 +40,10 @@ class BlockFailed(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArraysRef:
-    """The Zarr arrays a pipeline reads (zarr handles pickle as a store URL and metadata)."""
+    """The Zarr arrays a pipeline reads (zarr handles pickle as a store URL and metadata;
+    those of a dataset that records its chunks also carry that record, and refuse a chunk
+    that is missing, of another size or another CRC-32C: see
+    :mod:`dasktrain.datasets.chunks`)."""
 
     names: tuple[str, ...]
     arrays: tuple[zarr.Array, ...]
@@ -98,6 +102,13 @@ def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int) -> dict[
     for name, array in zip(ref.names, ref.arrays, strict=True):
         try:
             out[name] = array[a:b]
+        except ChunkError as exc:
+            # The one chunk at fault, not the block's range of them.
+            first, last = exc.rows or (a, b)
+            raise BlockFailed(
+                f"cannot read array {name!r} chunk {exc.chunk} (rows {first}:{last}) for "
+                f"block {block} of epoch {epoch}: it {exc.reason}; "
+                f"{repair_hint(exc.url or '')}", exc) from None
         except Exception as exc:
             chunk_rows = array.chunks[0]
             chunks = f"{a // chunk_rows}" if (b - 1) // chunk_rows == a // chunk_rows \

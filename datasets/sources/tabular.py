@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
@@ -22,8 +23,15 @@ from dasktrain.datasets.sources.base import (
 
 __all__ = ["TabularSource"]
 
+#: Bytes of CSV one task reads.
+_CSV_BLOCK = "32MiB"
+#: Name of the file column the search for a bad CSV cell adds (not a user's column's name).
+_FILE_COLUMN = "dasktrain-source-file"
+_FIX = "encode the column with --encode-categorical or leave it out with --features"
 
-def _read(path: Path, suffix: str) -> dd.DataFrame:
+
+def _read(path: Path, suffix: str) -> tuple[dd.DataFrame, list[Path], set[str]]:
+    """The table, its files, and the columns of integers (CSV reads them as float64)."""
     files = sorted(p for p in path.iterdir() if p.suffix.lower() == suffix) if path.is_dir() \
         else [path]
     if not files:
@@ -35,10 +43,18 @@ def _read(path: Path, suffix: str) -> dd.DataFrame:
         if suffix == ".csv":
             if not any(_csv_has_rows(f) for f in files):
                 raise SourceError(f"{path} is empty: no data rows")
-            return dd.read_csv([str(f) for f in files], blocksize="32MiB")
+            names = [str(f) for f in files]
+            df = dd.read_csv(names, blocksize=_CSV_BLOCK)
+            # dask infers the types from the first rows: an integer column with a missing
+            # cell further down would fail the read (its rows are dropped instead).
+            integers = {c for c, t in df.dtypes.items() if pd.api.types.is_integer_dtype(t)}
+            if integers:
+                df = dd.read_csv(names, blocksize=_CSV_BLOCK,
+                                 dtype=dict.fromkeys(integers, "float64"))
+            return df, files, integers
         if not any(pq.ParquetFile(f).metadata.num_rows for f in files):
             raise SourceError(f"{path} is empty: no data rows")
-        return dd.read_parquet([str(f) for f in files])
+        return dd.read_parquet([str(f) for f in files]), files, set()
     except SourceError:
         raise
     except (ValueError, OSError, pd.errors.ParserError) as exc:
@@ -54,6 +70,38 @@ def _csv_has_rows(path: Path) -> bool:
 
 def _is_numeric(dtype: Any) -> bool:
     return pd.api.types.is_numeric_dtype(dtype) or pd.api.types.is_bool_dtype(dtype)
+
+
+def _scan_for_text(part: pd.DataFrame, columns: list[str]
+                   ) -> tuple[str, int, tuple[int, str, str] | None]:
+    """A block of CSV read as text: its file, its rows, and its first cell in ``columns``
+    that is not a number (row in the block, column, value), if any."""
+    first = None
+    for column in columns:
+        text = part[column]
+        bad = (pd.to_numeric(text, errors="coerce").isna() & text.notna()).to_numpy()
+        if bad.any():
+            row = int(bad.argmax())
+            if first is None or row < first[0]:
+                first = (row, column, str(text.iloc[row]))
+    return (str(part[_FILE_COLUMN].iloc[0]) if len(part) else "", len(part), first)
+
+
+def _find_text_cell(files: list[Path], columns: list[str]) -> tuple[str, int, str, str] | None:
+    """The first cell of a number column that holds text: file, data row (from 1), column,
+    value. One more pass over the files, read as text: run only once reading failed."""
+    df = dd.read_csv([str(f) for f in files], blocksize=_CSV_BLOCK, usecols=columns,
+                     dtype=dict.fromkeys(columns, "object"), include_path_column=_FILE_COLUMN)
+    blocks = dask.compute(*[dask.delayed(_scan_for_text)(part, columns)
+                            for part in df.to_delayed()])
+    rows_before: dict[str, int] = {}  # blocks come in file order, a file's in row order
+    for file, length, first in blocks:
+        before = rows_before.get(file, 0)
+        if first is not None:
+            row, column, value = first
+            return file, before + row + 1, column, value
+        rows_before[file] = before + length
+    return None
 
 
 def _encode(part: pd.DataFrame, categories: dict[str, list]) -> pd.DataFrame:
@@ -79,7 +127,7 @@ class TabularSource:
 
     def __init__(self, source: str, options: SourceOptions):
         path = Path(source)
-        df = _read(path, suffix_of(path))
+        df, self._files, integers = _read(path, suffix_of(path))
         columns = list(df.columns)
         if not columns:
             raise SourceError(f"{path} has no columns")
@@ -114,7 +162,8 @@ class TabularSource:
         self.specs = {"x": ArraySpec("features", np.dtype("float32"), (len(features),))}
         if target:
             # Integer columns and encoded categories are class labels; anything else a value.
-            is_label = target in non_numeric or pd.api.types.is_integer_dtype(df[target].dtype)
+            is_label = target in non_numeric or target in integers \
+                or pd.api.types.is_integer_dtype(df[target].dtype)
             target_dtype = np.dtype("int64") if is_label else np.dtype("float64")
             self.specs["y"] = ArraySpec("targets", stored_dtype("targets", target_dtype), ())
         self.provenance = {"kind": "tabular", "path": str(path.resolve()), "features": features,
@@ -122,6 +171,30 @@ class TabularSource:
 
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         """Encode categories and count complete rows (passes over the table), then chunk."""
+        try:
+            return self._to_dask(chunk_rows)
+        except ValueError as exc:
+            # A cell further down than the rows dask inferred the column types from does
+            # not fit its column: say where, in the terms of a user, not of read_csv.
+            if self._files[0].suffix.lower() != ".csv" or "Mismatched dtypes" not in str(exc):
+                raise
+            raise self._text_cell_error() from exc
+
+    def _text_cell_error(self) -> SourceError:
+        # Booleans read as text ("True") are no numbers either: only numbers are searched.
+        numbers = [c for c in self._chosen if c not in self._non_numeric
+                   and not pd.api.types.is_bool_dtype(self._df[c].dtype)]
+        found = _find_text_cell(self._files, numbers)
+        if found is None:
+            return SourceError(f"cannot read {self._path}: a cell does not fit the type of "
+                               "its column, which was inferred from the first rows")
+        file, row, column, value = found
+        if len(value) > 40:
+            value = value[:37] + "..."
+        return SourceError(f"{file}: column {column!r} holds the non-numeric value {value!r} "
+                           f"at data row {row:,} (about line {row + 1:,}); {_FIX}")
+
+    def _to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         df = self._df
         if self._non_numeric:
             uniques = dd.compute(*[df[c].dropna().unique() for c in self._non_numeric])
