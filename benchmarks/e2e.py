@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD
-from dasktrain.bench import (
+from dasktrain.cli.bench import (
     Ratio,
     baseline_environment,
     parse_with_quick,

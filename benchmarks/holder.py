@@ -39,7 +39,7 @@ from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD, worker_info
-from dasktrain.bench import (
+from dasktrain.cli.bench import (
     Ratio,
     baseline_environment,
     parse_with_quick,

@@ -40,7 +40,7 @@ from distributed import Client, LocalCluster
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD
-from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 ROWS, WIDTH, CHUNK, BATCH, STEP_S = 200_192, 32, 8_192, 256, 0.020
 _MAT = np.random.default_rng(0).standard_normal((48, 48))

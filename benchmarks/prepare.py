@@ -58,7 +58,7 @@ from distributed import Client, LocalCluster
 
 import dasktrain
 from dasktrain._cluster import NO_DASHBOARD, start_local_cluster
-from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 from dasktrain.datasets.format import chunk_rows_for
 
 CHUNK_ROWS = 8192

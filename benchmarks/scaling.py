@@ -41,7 +41,7 @@ from distributed import Client, LocalCluster
 from holder import dasktrain_step, gloo_step
 
 from dasktrain._cluster import NO_DASHBOARD
-from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 # shared/benchmarks.md, W5: the step time to reach, as a ratio to gloo's, at every N.
 GOAL = "≤ 1x"

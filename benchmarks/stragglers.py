@@ -65,7 +65,7 @@ from distributed import Client, LocalCluster, get_worker
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD
-from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 ROWS, FEATURES, CLASSES, HIDDEN, BATCH = 24_576, 32, 10, 128, 128
 WORKERS = 3

@@ -30,7 +30,7 @@ from distributed import Client, LocalCluster, get_worker, secede
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD, worker_info
-from dasktrain.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder

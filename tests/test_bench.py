@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from dasktrain.bench import BENCHMARKS
+from dasktrain.cli.bench import BENCHMARKS
 from tests.common.builders import run_cli
 
 HEADER = ["benchmark", "workload", "dasktrain", "baseline", "ratio", "goal"]
@@ -66,7 +66,7 @@ def _script(body: str) -> str:
 
 def test_a_failing_benchmark_is_named_and_the_others_still_make_the_table(tmp_path):
     (tmp_path / "pipeline.py").write_text(_script("""\
-        from dasktrain.bench import Ratio, write_ratios
+        from dasktrain.cli.bench import Ratio, write_ratios
         write_ratios(args.ratios_json, [Ratio(workload="w", ours="1.0", baseline="2.0 (b)",
                                               ratio=0.5, goal="≤ 1x")])
         """))

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain import _toml_writer
-from dasktrain._references import load_function
-from dasktrain.cli import main
-from dasktrain.run_dir import RunDirectory
-from dasktrain.train_config import load_train_config
-from dasktrain.train_keys import config_keys
+from dasktrain.cli import _toml_writer, main
+from dasktrain.cli._references import load_function
+from dasktrain.cli.run_dir import RunDirectory
+from dasktrain.cli.train_config import load_train_config
+from dasktrain.cli.train_keys import config_keys
 from tests.common.builders import REPO, assert_user_error, run_cli
 
 EXAMPLES = REPO / "examples"

@@ -60,7 +60,7 @@ def test_dir_lists_the_lazily_imported_names_for_tab_completion():
 
 
 def test_every_error_has_the_common_base_and_keeps_its_older_one():
-    from dasktrain.train_config import ConfigError
+    from dasktrain.cli.train_config import ConfigError
 
     for error, older in ((dt.DatasetError, ValueError), (dt.SourceError, ValueError),
                          (dt.PipelineError, RuntimeError), (dt.TrainerError, RuntimeError),

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain._toml_writer import dumps
-from dasktrain.train_config import ConfigError, load_train_config
+from dasktrain.cli._toml_writer import dumps
+from dasktrain.cli.train_config import ConfigError, load_train_config
 from tests.common.training import flat_parameters, mlp, mse, one_process
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain import _toml_writer
+from dasktrain.cli import _toml_writer
 from dasktrain.trainer.errors import InvalidLoss
 from tests.common.builders import REPO, run_cli
 from tests.common.data import indexed_dataset

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dasktrain._cluster import cluster_client
-from dasktrain.run_dir import RunDirectory
+from dasktrain.cli.run_dir import RunDirectory
 from dasktrain.trainer.view.callbacks import Callback
 from dasktrain.trainer.view.loggers import JsonLinesLogger
 
 if TYPE_CHECKING:
-    from dasktrain.train_config import TrainConfig
+    from dasktrain.cli.train_config import TrainConfig
     from dasktrain.trainer.driver.trainer import Trainer
     from dasktrain.trainer.view.history import History
 
@@ -112,7 +112,7 @@ def run_training(config: TrainConfig, run_dir: str | os.PathLike | None = None, 
     Parameters
     ----------
     config
-        From :func:`~dasktrain.train_config.load_train_config`.
+        From :func:`~dasktrain.cli.train_config.load_train_config`.
     run_dir
         Where the run's files go; default ``config.run_dir`` (``[run] dir``).
     scheduler

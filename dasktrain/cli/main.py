@@ -1,8 +1,9 @@
 """The ``dasktrain`` command: thin wrappers that parse arguments and call one library function.
 
 User mistakes (bad paths, options, data) print one line on stderr and exit with status 2;
-Ctrl-C exits with 130 after the interrupted command has cleaned up after itself. An internal
-error (a bug) shows its traceback and exits with status 1, so it is reported, not hidden.
+Ctrl-C (SIGINT) exits with 130 and SIGTERM with 143 after the interrupted command has cleaned
+up after itself. A warning is one line on stderr. An internal error (a bug) shows its
+traceback and exits with status 1, so it is reported, not hidden.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 __all__ = ["main"]
 
@@ -129,6 +131,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     report = verify(args.path, scheduler=args.scheduler, progress=not args.no_progress,
                     **_storage(args))
+    for note in report.notes:
+        print(f"dasktrain verify: note: {report.url}: {note}", file=sys.stderr)
     if report.ok:
         print(f"ok: {report.url}: {report.chunks_read} chunks read, all checks passed")
         return 0
@@ -148,7 +152,7 @@ class _TrainHelp(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object
                  ) -> None:
-        from dasktrain.train_keys import config_reference
+        from dasktrain.cli.train_keys import config_reference
 
         parser.epilog = config_reference()
         parser.print_help()
@@ -171,8 +175,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dasktrain.train_config import load_train_config
-    from dasktrain.train_run import after_stop, run_training
+    from dasktrain.cli.train_config import load_train_config
+    from dasktrain.cli.train_run import after_stop, run_training
     from dasktrain.trainer.errors import TrainerError
 
     progress = not args.no_progress
@@ -185,9 +189,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"dasktrain train: training stopped: {exc} ({after_stop(run_dir, exc)})",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"dasktrain train: interrupted ({after_stop(run_dir)})", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(f"dasktrain train: {_stopped_by(exc)} ({after_stop(run_dir)})", file=sys.stderr)
+        return _interrupt_status(exc)
     print(result.summary())
     return 0
 
@@ -195,9 +199,9 @@ def _train(args: argparse.Namespace) -> int:
 _COMMANDS = {"prepare": _prepare, "info": _info, "verify": _verify, "train": _train}
 
 
-# -- bench: the repository's benchmarks, one table of ratios (dasktrain.bench) -------------
+# -- bench: the repository's benchmarks, one table of ratios (dasktrain.cli.bench) -------------
 def _add_bench(commands: argparse._SubParsersAction) -> None:
-    from dasktrain.bench import BENCHMARKS
+    from dasktrain.cli.bench import BENCHMARKS
 
     bench = commands.add_parser(
         "bench", help="run the benchmarks and print one table of ratios to their baselines",
@@ -215,7 +219,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dasktrain.bench import BENCHMARKS, format_table, run_benchmarks
+    from dasktrain.cli.bench import BENCHMARKS, format_table, run_benchmarks
 
     result = run_benchmarks(args.only or BENCHMARKS, quick=args.quick,
                             directory=args.benchmarks)
@@ -228,8 +232,21 @@ def _bench(args: argparse.Namespace) -> int:
 _COMMANDS["bench"] = _bench
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound like Ctrl-C so that the command cleans up after itself."""
+
+
+def _stopped_by(exc: KeyboardInterrupt) -> str:
+    return "terminated" if isinstance(exc, _Terminated) else "interrupted"
+
+
+def _interrupt_status(exc: KeyboardInterrupt) -> int:
+    """128 + the signal's number, as a shell reports a command ended by it."""
+    return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+
+
 class _QuietAfterInterrupt(logging.Filter):
-    """Drops the event loop's error reports once Ctrl-C was pressed.
+    """Drops the event loop's error reports once Ctrl-C (or SIGTERM) arrived.
 
     While the run unwinds, callbacks on the client's loop may fail noisily (distributed's
     ``sync`` schedules a cancel that can run before its future exists, and tornado logs the
@@ -243,10 +260,19 @@ class _QuietAfterInterrupt(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not self.interrupted
 
-    def on_sigint(self, signum: int, frame: object) -> None:
+    def on_signal(self, signum: int, frame: object) -> None:
         # Set before KeyboardInterrupt starts unwinding, so before any cancel is scheduled.
         self.interrupted = True
-        raise KeyboardInterrupt
+        raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+def _show_warning(command: str) -> Callable[..., None]:
+    """``warnings.showwarning`` for the command: one line, no source location."""
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: object = None, line: str | None = None) -> None:
+        print(f"dasktrain {command}: warning: {message}", file=sys.stderr)
+
+    return show
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -262,19 +288,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = _QuietAfterInterrupt()
     loop_errors = logging.getLogger("tornado.application")
     loop_errors.addFilter(quiet)
-    previous = signal.signal(signal.SIGINT, quiet.on_sigint)
+    previous = {signum: signal.signal(signum, quiet.on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        print(f"dasktrain {args.command}: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning(args.command)
+            return _COMMANDS[args.command](args)
+    except KeyboardInterrupt as exc:
+        print(f"dasktrain {args.command}: {_stopped_by(exc)}; nothing was written",
+              file=sys.stderr)
+        return _interrupt_status(exc)
     except (ValueError, OSError) as exc:
         # Bad input (paths, options, data: DatasetError and SourceError are ValueErrors).
         # Anything else is a bug of ours: its traceback and exit status 1 get it reported.
         print(f"dasktrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         loop_errors.removeFilter(quiet)
 
 

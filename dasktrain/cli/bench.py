@@ -139,7 +139,7 @@ def benchmarks_directory(directory: str | os.PathLike | None = None) -> Path:
     """The directory of the benchmark scripts: ``directory``, else ``benchmarks/`` beside
     the package's own directory (a source checkout)."""
     found = (Path(directory) if directory is not None
-             else Path(__file__).resolve().parents[1] / "benchmarks")
+             else Path(__file__).resolve().parents[2] / "benchmarks")
     missing = [f"{name}.py" for name in BENCHMARKS if not (found / f"{name}.py").is_file()]
     if missing:
         where = "" if directory is not None else (

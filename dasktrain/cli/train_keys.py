@@ -17,7 +17,7 @@ import types
 import typing
 from typing import Any
 
-from dasktrain import _toml_writer
+from dasktrain.cli import _toml_writer
 
 __all__ = ["ELSEWHERE", "REQUIRED", "SECTIONS", "all_mode_options", "config_keys",
            "config_reference", "mentioned", "mode_option_defaults", "mode_parameters",

@@ -15,7 +15,7 @@ drift from the API::
     [run]        dir = "runs/digits", checkpoint_every = 100
 
 Relative paths (the dataset, files named in ``[model]``/``[loss]``, the run directory) start
-at the config file's directory. :func:`dasktrain.train_keys.config_reference` documents
+at the config file's directory. :func:`dasktrain.cli.train_keys.config_reference` documents
 every key.
 """
 
@@ -31,10 +31,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain import _toml_writer
-from dasktrain._references import is_reference, load_function
-from dasktrain.errors import DasktrainError
-from dasktrain.train_keys import (
+from dasktrain.cli import _toml_writer
+from dasktrain.cli._references import is_reference, load_function
+from dasktrain.cli.train_keys import (
     ELSEWHERE,
     SECTIONS,
     all_mode_options,
@@ -46,6 +45,7 @@ from dasktrain.train_keys import (
     type_name,
     type_ok,
 )
+from dasktrain.errors import DasktrainError
 
 if TYPE_CHECKING:
     from dasktrain.datasets import Dataset
@@ -268,7 +268,7 @@ def _group(r: _Reader, index: int, group: Any) -> Any:
 
 
 def _metrics(r: _Reader, names: Any) -> dict[str, Callable]:
-    from dasktrain.builtin_metrics import get_metric
+    from dasktrain.cli.builtin_metrics import get_metric
 
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise r.error("trainer", "metrics", f"expected a list of names, got {names!r}")
