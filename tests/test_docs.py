@@ -70,3 +70,20 @@ def test_every_error_has_the_common_base_and_keeps_its_older_one():
     # A real one, raised by the library and caught by the base.
     with pytest.raises(dt.DasktrainError, match="no dataset at"):
         dt.open_dataset("/nonexistent/nothing.zarr")
+
+
+@pytest.mark.slow
+def test_the_readmes_example_runs_as_written(tmp_path):
+    """The README's twenty lines, run as a script (its own embedded cluster), one epoch."""
+    text = (ROOT / "README.md").read_text()
+    found = re.search(r"## Twenty lines\n\n```python\n(.*?)```", text, re.S)
+    assert found, "the README lost its example"
+    code = found.group(1).replace("epochs=5", "epochs=1")
+    assert len(code.splitlines()) <= 22
+    script = tmp_path / "example.py"
+    script.write_text("import torch\ntorch.set_num_threads(1)\n" + code)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'accuracy'" in result.stdout, result.stdout
+    assert (tmp_path / "runs" / "digits" / "report" / "index.html").is_file()

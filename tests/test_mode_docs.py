@@ -1,4 +1,5 @@
-"""The README's example of a new mode is real code: it runs against a holder as written."""
+"""The documented example of a new mode (docs/modes.md) is real code: it runs against a holder
+as written."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from dasktrain.trainer import modes
 from dasktrain.trainer.holder.actor import ParameterHolder
 from tests.common.training import zeros_holder
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "modes.md"
 
 
 def _example_module() -> types.ModuleType:
     text = README.read_text()
     found = re.search(r"```python\n(# trainer/modes/bounded\.py\n.*?)```", text, re.S)
-    assert found, "the README lost its example mode"
+    assert found, "docs/modes.md lost its example mode"
     module = types.ModuleType("bounded_example")
     sys.modules[module.__name__] = module  # dataclasses and typing look modules up
-    exec(compile(found.group(1), "README.md (example mode)", "exec"), module.__dict__)
+    exec(compile(found.group(1), "docs/modes.md (example mode)", "exec"), module.__dict__)
     return module
 
 

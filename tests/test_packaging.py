@@ -50,22 +50,22 @@ def test_wheel_installs_and_imports_outside_the_repo(tmp_path):
     assert "samples   50" in result.stdout
 
 
-def test_the_readme_says_which_commands_take_scheduler_and_the_cluster_cap():
-    """README and code agree: the commands with ``--scheduler`` are the ones named, and the
+def test_the_docs_say_which_commands_take_scheduler_and_the_cluster_cap():
+    """The docs and code agree: the commands with ``--scheduler`` are the ones named, and the
     embedded LocalCluster's worker cap is stated."""
     import re
 
     from dasktrain._cluster import MAX_LOCAL_WORKERS, default_local_cluster_options
-    from dasktrain.cli import _build_parser
+    from dasktrain.cli.main import _build_parser
 
     parser = _build_parser()
     commands = parser._subparsers._group_actions[0].choices
     with_scheduler = {name for name, sub in commands.items()
                       if any("--scheduler" in a.option_strings for a in sub._actions)}
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "datasets.md").read_text()
     claim = re.search(r"The commands that run work on a cluster, (.+?), take `--scheduler",
                       readme)
-    assert claim, "README must say which commands take --scheduler"
+    assert claim, "docs/datasets.md must say which commands take --scheduler"
     assert set(re.findall(r"`(\w+)`", claim.group(1))) == with_scheduler
     assert "Every command takes `--scheduler" not in readme
     cores = os.cpu_count() or 1

@@ -13,13 +13,15 @@ weight decay, and ``exclude_bias_and_norm=True`` takes biases and normalisation 
 of weight decay; the holder optimises each run of consecutive tensors sharing settings as
 one view of its buffer (:mod:`.flat`).
 
-The room: :mod:`.config` (the config and groups), :mod:`.registry` (names to builders;
-adding an optimizer is a module and an entry there, or :func:`register_optimizer`),
+The room: :mod:`.config` (the config and groups), :mod:`.registry` (names to builders; the
+built-in entries are the table below: adding an optimizer is a module and an entry there,
+or :func:`register_optimizer` at run time),
 :mod:`.builtin`, :mod:`.large_batch` (LARS, LAMB), :mod:`.torch_class` (any element-wise
 class), :mod:`.factories` (these front doors), :mod:`.flat` (the optimizer over the flat
 buffer) and :mod:`.state` (its state as one flat array, for ``average`` mode).
 """
 
+from dasktrain.trainer.optim import builtin, torch_class
 from dasktrain.trainer.optim.config import OptimizerConfig, ParamGroup, group
 from dasktrain.trainer.optim.factories import (
     adam,
@@ -33,9 +35,19 @@ from dasktrain.trainer.optim.factories import (
 from dasktrain.trainer.optim.registry import (
     OPTIMIZERS,
     OptimizerKind,
+    add_built_in,
     optimizer_kind,
     register_optimizer,
 )
+
+add_built_in({
+    "sgd": OptimizerKind(builtin.build_sgd),
+    "adam": OptimizerKind(builtin.build_adam),
+    "adamw": OptimizerKind(builtin.build_adamw),
+    "lars": OptimizerKind(builtin.build_lars, per_tensor=True, check=builtin.no_options),
+    "lamb": OptimizerKind(builtin.build_lamb, per_tensor=True, check=builtin.no_options),
+    "torch": OptimizerKind(torch_class.build, check=torch_class.check),
+})
 
 __all__ = ["OPTIMIZERS", "OptimizerConfig", "OptimizerKind", "ParamGroup", "adam", "adamw",
            "get_optimizer", "group", "lamb", "lars", "optimizer_kind", "register_optimizer",

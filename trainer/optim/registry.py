@@ -1,5 +1,6 @@
-"""The optimizers the holder can run, looked up by name: adding one is adding a module with
-its builder and an entry in :data:`OPTIMIZERS` (or :func:`register_optimizer` at run time).
+"""The optimizers the holder can run, looked up by name. The built-in entries are listed in
+the package's ``__init__`` (adding one is a module with its builder and an entry there);
+:func:`register_optimizer` adds one at run time.
 
 An entry is an :class:`OptimizerKind`: a builder from an
 :class:`~dasktrain.trainer.optim.config.OptimizerConfig` to a ``torch.optim`` optimizer,
@@ -15,22 +16,21 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dasktrain.trainer.optim import builtin, torch_class
-
 if TYPE_CHECKING:
     import torch
 
-    from dasktrain.trainer.optim.config import OptimizerConfig
-    from dasktrain.trainer.optim.large_batch import Segments
+__all__ = ["OPTIMIZERS", "Builder", "OptimizerKind", "add_built_in", "optimizer_kind",
+           "register_optimizer"]
 
-__all__ = ["OPTIMIZERS", "Builder", "OptimizerKind", "optimizer_kind", "register_optimizer"]
-
-Builder = Callable[["OptimizerConfig", list[Any], "Segments | None"], "torch.optim.Optimizer"]
+# The config is typed Any here: the registry sits below OptimizerConfig, which looks its
+# name up in it (importing the config's module here would make the two import each other).
+Builder = Callable[[Any, list[Any], Any], "torch.optim.Optimizer"]
 """``build(config, params, segments)``: the torch optimizer over ``params`` (tensors or
-``torch.optim``-style group dicts, each with its ``lr`` and ``weight_decay``)."""
+``torch.optim``-style group dicts, each with its ``lr`` and ``weight_decay``), from an
+:class:`~dasktrain.trainer.optim.config.OptimizerConfig` and the buffer's segments."""
 
 
-def _no_check(config: OptimizerConfig) -> None:
+def _no_check(config: Any) -> None:
     return None
 
 
@@ -43,19 +43,18 @@ class OptimizerKind:
     per_tensor: bool = False
     """Computes one ratio per model tensor from the segments (then biases and norm
     weights are excluded by default); otherwise the optimizer must be element-wise."""
-    check: Callable[[OptimizerConfig], None] = _no_check
+    check: Callable[[Any], None] = _no_check
     """Refuses settings this optimizer cannot take, with a ``ValueError`` naming them."""
 
 
-OPTIMIZERS: dict[str, OptimizerKind] = {
-    "sgd": OptimizerKind(builtin.build_sgd),
-    "adam": OptimizerKind(builtin.build_adam),
-    "adamw": OptimizerKind(builtin.build_adamw),
-    "lars": OptimizerKind(builtin.build_lars, per_tensor=True, check=builtin.no_options),
-    "lamb": OptimizerKind(builtin.build_lamb, per_tensor=True, check=builtin.no_options),
-    "torch": OptimizerKind(torch_class.build, check=torch_class.check),
-}
-_BUILT_IN = frozenset(OPTIMIZERS)
+OPTIMIZERS: dict[str, OptimizerKind] = {}
+_BUILT_IN: set[str] = set()
+
+
+def add_built_in(entries: dict[str, OptimizerKind]) -> None:
+    """The package's own entries (names that :func:`register_optimizer` cannot replace)."""
+    OPTIMIZERS.update(entries)
+    _BUILT_IN.update(entries)
 
 
 def optimizer_kind(name: str) -> OptimizerKind:
@@ -68,7 +67,7 @@ def optimizer_kind(name: str) -> OptimizerKind:
 
 
 def register_optimizer(name: str, build: Builder, *, per_tensor: bool = False,
-                       check: Callable[[OptimizerConfig], None] | None = None) -> None:
+                       check: Callable[[Any], None] | None = None) -> None:
     """Add optimizer ``name`` to the registry, for ``dt.optim.get_optimizer(name, ...)``.
 
     Parameters
