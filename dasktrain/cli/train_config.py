@@ -27,12 +27,13 @@ import functools
 import inspect
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dasktrain.cli import _toml_writer
-from dasktrain.cli._references import is_reference, load_function
+from dasktrain.cli._references import is_reference
+from dasktrain.cli.config_reader import ConfigError, Reader
 from dasktrain.cli.train_keys import (
     ELSEWHERE,
     SECTIONS,
@@ -42,20 +43,13 @@ from dasktrain.cli.train_keys import (
     mode_parameters,
     optimizer_fields,
     trainer_parameters,
-    type_name,
-    type_ok,
 )
-from dasktrain.errors import DasktrainError
 
 if TYPE_CHECKING:
     from dasktrain.datasets import Dataset
     from dasktrain.trainer.driver.trainer import Trainer
 
 __all__ = ["ConfigError", "TrainConfig", "load_train_config"]
-
-
-class ConfigError(DasktrainError, ValueError):
-    """A bad config file; the message names the file, the section and the key."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -84,82 +78,8 @@ class TrainConfig:
         return _toml_writer.dumps(self.resolved, header=header)
 
 
-class _Reader:
-    """Reads one config file, section by section, naming the key in every error."""
-
-    def __init__(self, path: Path, document: dict[str, Any]) -> None:
-        self.path = path
-        self.name = str(path)
-        self.base = path.parent.resolve()
-        self.document = document
-
-    def error(self, section: str, key: str | None, message: str) -> ConfigError:
-        where = f"[{section}] {key}" if key else f"[{section}]"
-        return ConfigError(f"{self.name}: {where}: {message}")
-
-    def unknown(self, section: str, key: str, known: list[str], why: str | None = None
-                ) -> ConfigError:
-        if why is None:
-            close = difflib.get_close_matches(key, known, n=1)
-            why = f"did you mean {close[0]!r}?" if close else \
-                f"known keys: {', '.join(known)}"
-        return ConfigError(f"{self.name}: unknown key [{section}] {key} ({why})")
-
-    def table(self, section: str) -> dict[str, Any]:
-        value = self.document.get(section, {})
-        if not isinstance(value, dict):
-            raise self.error(section, None, "must be a table ([section] with key = value)")
-        return value
-
-    def check_keys(self, section: str, table: Mapping[str, Any], known: list[str]) -> None:
-        for key in table:
-            if key not in known:
-                raise self.unknown(section, key, known)
-
-    def require(self, section: str, table: Mapping[str, Any], key: str, hint: Any = str
-                ) -> Any:
-        if key not in table:
-            raise self.error(section, key, "missing (required)")
-        return self.typed(section, key, table[key], hint)
-
-    def typed(self, section: str, key: str, value: Any, hint: Any) -> Any:
-        if type_ok(value, hint) is False:
-            raise self.error(section, key, f"expected {type_name(hint)}, got {value!r}")
-        return value
-
-    def path_value(self, text: str) -> str:
-        """A local path relative to the config file made absolute; URLs unchanged."""
-        if "://" in text:
-            return text
-        path = Path(text).expanduser()
-        return str(path if path.is_absolute() else (self.base / path).resolve())
-
-    def reference(self, section: str, key: str, text: str) -> tuple[Callable, str]:
-        """The function ``text`` names, and ``text`` with a file made absolute."""
-        try:
-            fn = load_function(text, self.base)
-        except ValueError as exc:
-            raise self.error(section, key, str(exc)) from exc
-        where, _, name = text.rpartition(":")
-        if where.endswith(".py"):
-            text = f"{self.path_value(where)}:{name}"
-        return fn, text
-
-    def bound(self, section: str, fn: Callable, kwargs: dict[str, Any]) -> Callable:
-        """``fn`` with ``kwargs`` bound, once they are known to fit its signature."""
-        if not kwargs:
-            return fn
-        try:
-            inspect.signature(fn).bind_partial(**kwargs)
-        except TypeError as exc:
-            raise self.error(section, "kwargs", str(exc)) from exc
-        except ValueError:  # no signature to check against (some builtins)
-            pass
-        return functools.partial(fn, **kwargs)
-
-
 # -- sections --------------------------------------------------------------------------
-def _data(r: _Reader) -> tuple[Dataset, Dataset | None, dict[str, Any]]:
+def _data(r: Reader) -> tuple[Dataset, Dataset | None, dict[str, Any]]:
     from dasktrain.datasets import open_dataset
 
     table = r.table("data")
@@ -187,7 +107,7 @@ def _data(r: _Reader) -> tuple[Dataset, Dataset | None, dict[str, Any]]:
     return train, split_of("validation", validation), resolved
 
 
-def _model(r: _Reader) -> tuple[Callable, dict[str, Any]]:
+def _model(r: Reader) -> tuple[Callable, dict[str, Any]]:
     table = r.table("model")
     r.check_keys("model", table, config_keys()["model"])
     fn, text = r.reference("model", "factory", r.require("model", table, "factory"))
@@ -195,7 +115,7 @@ def _model(r: _Reader) -> tuple[Callable, dict[str, Any]]:
     return r.bound("model", fn, kwargs), {"factory": text, "kwargs": kwargs}
 
 
-def _loss(r: _Reader) -> tuple[Callable, dict[str, Any]]:
+def _loss(r: Reader) -> tuple[Callable, dict[str, Any]]:
     import torch.nn.functional
 
     table = r.table("loss")
@@ -218,7 +138,7 @@ def _loss(r: _Reader) -> tuple[Callable, dict[str, Any]]:
 _FACTORIES = ("sgd", "adam", "adamw", "lars", "lamb")
 
 
-def _optimizer(r: _Reader) -> Any:
+def _optimizer(r: Reader) -> Any:
     from dasktrain.trainer import optim
 
     table = r.table("optimizer")
@@ -247,7 +167,7 @@ def _optimizer(r: _Reader) -> Any:
         raise r.error("optimizer", ", ".join(keys) or None, str(exc)) from None
 
 
-def _group(r: _Reader, index: int, group: Any) -> Any:
+def _group(r: Reader, index: int, group: Any) -> Any:
     from dasktrain.trainer import optim
 
     key = f"groups[{index}]"
@@ -267,7 +187,7 @@ def _group(r: _Reader, index: int, group: Any) -> Any:
         raise r.error("optimizer", key, str(exc)) from None
 
 
-def _metrics(r: _Reader, names: Any) -> dict[str, Callable]:
+def _metrics(r: Reader, names: Any) -> dict[str, Callable]:
     from dasktrain.cli.builtin_metrics import get_metric
 
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -288,7 +208,7 @@ def _metrics(r: _Reader, names: Any) -> dict[str, Callable]:
     return metrics
 
 
-def _trainer_options(r: _Reader) -> tuple[dict[str, Any], int, dict[str, Any],
+def _trainer_options(r: Reader) -> tuple[dict[str, Any], int, dict[str, Any],
                                           dict[str, Any]]:
     """(Trainer keywords given, epochs, every trainer value, every run value): the keys
     of ``[trainer]`` and ``[run]``, which both set Trainer keywords."""
@@ -342,7 +262,7 @@ def _trainer_options(r: _Reader) -> tuple[dict[str, Any], int, dict[str, Any],
     return given, epochs, values, run_values
 
 
-def _build_trainer(r: _Reader, model: Callable, loss: Callable, optimizer: Any,
+def _build_trainer(r: Reader, model: Callable, loss: Callable, optimizer: Any,
                    given: dict[str, Any], progress: bool) -> Trainer:
     from dasktrain.trainer.driver.trainer import Trainer
 
@@ -388,7 +308,7 @@ def load_train_config(path: str | os.PathLike, *, progress: bool = True) -> Trai
             hint = f"did you mean [{close[0]}]?" if close else \
                 f"sections: {', '.join(SECTIONS)}"
             raise ConfigError(f"{path}: unknown section [{section}] ({hint})")
-    r = _Reader(path, document)
+    r = Reader(path, document)
     train, validation, data_values = _data(r)
     model, model_values = _model(r)
     loss, loss_values = _loss(r)
