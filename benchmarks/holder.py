@@ -46,9 +46,10 @@ from dasktrain.cli.bench import (
     ratio_of,
     write_ratios,
 )
+from dasktrain.trainer.exchange.sharded import open_handle
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
-from dasktrain.trainer.holder.shards import open_handle, shard_workers
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder.shards import shard_workers
 
 WORKERS = 2
 LR = 1e-3

@@ -33,7 +33,7 @@ from dasktrain._cluster import NO_DASHBOARD, worker_info
 from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 
 WORKERS = 2
 BATCH = 32

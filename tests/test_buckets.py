@@ -12,7 +12,7 @@ import torch
 
 import dasktrain as dt
 from dasktrain.trainer.exchange.buckets import GradientReadiness, bucket_order
-from dasktrain.trainer.exchange.channel import ChannelClient
+from dasktrain.trainer.exchange.client import ChannelClient
 from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.holder.arithmetic import Lease
 from tests.common.channel import serve_channel

@@ -18,16 +18,14 @@ import numpy as np
 import pytest
 
 import dasktrain as dt
-from dasktrain.trainer.exchange import channel as channel_module
-from dasktrain.trainer.exchange.channel import (
-    _HELLO,
-    _PUSH,
-    ChannelClient,
-    ChannelServer,
-    PendingPush,
-)
+from dasktrain.trainer.exchange import client as client_module
+from dasktrain.trainer.exchange import server as server_module
+from dasktrain.trainer.exchange import transfer
+from dasktrain.trainer.exchange.client import ChannelClient, PendingPush
 from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.exchange.protocol import HELLO, PUSH
 from dasktrain.trainer.exchange.reconnect import ChannelRefused
+from dasktrain.trainer.exchange.server import ChannelServer
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.holder.arithmetic import Lease
 from tests.common.channel import holder_actor, serve_channel
@@ -92,7 +90,7 @@ def test_a_wrong_token_is_refused_and_the_holder_goes_on(client, holder):
     with pytest.raises(ChannelRefused, match="refused worker 0's token"):
         _connect(client, holder, token=bytes(16))
     # Refused at once: a wrong token is not tried again for the reconnect deadline.
-    assert time.monotonic() - started < channel_module._RECONNECT_WITHIN / 2
+    assert time.monotonic() - started < client_module._RECONNECT_WITHIN / 2
     channel = _connect(client, holder)
     try:
         assert _push(channel, 0).result(timeout=30)[1] == 1
@@ -291,14 +289,14 @@ def _hello(server: ChannelServer, worker: int = 0) -> socket.socket:
     """A raw connection that presented ``worker``'s token and was accepted."""
     contact = server.contact(worker)
     sock = socket.create_connection((contact["host"], contact["port"]), timeout=10)
-    sock.sendall(_HELLO.pack(contact["token"], worker))
+    sock.sendall(HELLO.pack(contact["token"], worker))
     assert sock.recv(1) == b"\x01"
     return sock
 
 
 IDLE = 0.5
 # Payloads this large move on the server's own threads rather than through its event loop.
-BULK = channel_module._BULK_BYTES // 4 + 1
+BULK = transfer._BULK_BYTES // 4 + 1
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp"])
@@ -327,8 +325,8 @@ def test_a_connection_gone_silent_is_closed_after_the_idle_deadline(sent):
     with _server(idle_timeout=IDLE, size=size) as server:
         sock = _hello(server)
         try:
-            header = _PUSH.pack(0, 1, 0.0, 0, 1, size * 4)
-            data = {"nothing": b"", "half a header": header[: _PUSH.size // 2],
+            header = PUSH.pack(0, 1, 0.0, 0, 1, size * 4)
+            data = {"nothing": b"", "half a header": header[: PUSH.size // 2],
                     "half a payload": header + bytes(SIZE * 2),
                     "half a large payload": header + bytes(size * 2)}[sent]
             sock.sendall(data)
@@ -356,9 +354,9 @@ def test_a_client_silent_past_the_idle_deadline_reconnects_for_its_next_push():
 
 
 def test_a_flood_past_the_cap_pushes_the_oldest_out_and_is_logged_once(caplog):
-    cap = channel_module._MAX_UNAUTHENTICATED
+    cap = server_module._MAX_UNAUTHENTICATED
     flood: list[socket.socket] = []
-    with _server() as server, caplog.at_level(logging.WARNING, channel_module.__name__):
+    with _server() as server, caplog.at_level(logging.WARNING, server_module.__name__):
         host, port = server.address
         try:
             # Accepted in the order they connect (one listener, one queue).
@@ -366,7 +364,7 @@ def test_a_flood_past_the_cap_pushes_the_oldest_out_and_is_logged_once(caplog):
                      for _ in range(cap + 20)]
             # The 20 oldest are closed at once, long before the hello deadline; the newest
             # wait, so a worker connecting during a flood is never the one turned away.
-            left = _until_closed(flood, channel_module._HELLO_TIMEOUT / 2)
+            left = _until_closed(flood, server_module._HELLO_TIMEOUT / 2)
             assert left == flood[20:]
             # A worker that presents itself is taken even while the room is full.
             assert len(server._waiting) == cap

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer.exchange import channel as channel_module
-from dasktrain.trainer.exchange.channel import ChannelClient
+from dasktrain.trainer.exchange import client as client_module
+from dasktrain.trainer.exchange.client import ChannelClient
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.reconnect import ChannelUnavailable
 from dasktrain.trainer.flat import FlatLayout
@@ -89,7 +89,7 @@ async def _resume_accepts(dask_worker, key: str) -> None:
 
 def test_a_worker_pushed_onto_the_actor_returns_to_the_channel(client, monkeypatch):
     # A connection is given up after one attempt: the holder takes none meanwhile.
-    monkeypatch.setattr(channel_module, "_RECONNECT_WITHIN", 0.5)
+    monkeypatch.setattr(client_module, "_RECONNECT_WITHIN", 0.5)
     ones = np.ones(FEATURES, np.float32)
     with holder_actor(client, FEATURES) as holder:
         address = holder._address

@@ -14,7 +14,7 @@ import torch
 
 import dasktrain as dt
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.optim import OptimizerConfig
 from tests.common.training import flat_parameters, mlp, mse, one_process
 

@@ -20,7 +20,7 @@ from distributed import Client, LocalCluster, get_worker
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from tests.common.training import flat_parameters, mlp, mse, zeros, zeros_holder
 
 F32 = np.float32

@@ -2,20 +2,28 @@
 hosts, settings shards cannot honour refused by name, and on a real cluster: ``sync`` in
 shards equal to one process (SGD with momentum), and to one holder with LARS's per-tensor
 trust ratios, Adam, parameter groups and batch-norm buffers; a non-finite gradient refused by
-every shard; a checkpoint that resumes only with the same number of shards. Killed
-processes under shards are in tests/test_trainer_failures.py."""
+every shard; a checkpoint that resumes only with the same number of shards; the shards'
+answers awaited together, so that any shard's dead worker ends the wait at once. Killed
+processes under training are in tests/test_trainer_failures.py."""
 
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import time
 
 import pytest
 import torch
+from distributed import Client, LocalCluster
 
 import dasktrain as dt
+from dasktrain._cluster import worker_info
+from dasktrain.trainer.exchange.sharded import HolderShards
 from dasktrain.trainer.flat import FlatLayout
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.holder.shards import check_shards, shard_layouts, shard_workers
-from tests.common.training import flat_parameters, mse, nan_on, one_process
+from tests.common.training import flat_parameters, mlp, mse, nan_on, one_process
 
 
 def _net(norm: bool = False) -> torch.nn.Module:
@@ -147,3 +155,27 @@ def test_a_checkpoint_in_shards_resumes_with_as_many_shards(client, regression, 
     loaded = dt.Trainer.load(tmp_path / "run" / "checkpoint.pt", _net)
     torch.testing.assert_close(flat_parameters(loaded.model),
                                flat_parameters(first.model))
+
+
+def test_a_dead_shard_ends_the_wait_on_another_shards_answer():
+    """The driver awaits an answer that shard 0 never gives while shard 1's process is
+    killed: HolderLost naming shard 1 within a few liveness slices, not a silence after
+    shard 0's whole timeout. A cluster of its own: its worker process is killed."""
+    timeout = 30.0
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        addresses = sorted(worker_info(client))
+        actors = [client.submit(ParameterHolder,
+                                HolderConfig(model=mlp, optimizer=dt.optim.sgd(0.1),
+                                             workers=1, shard=(k, 2)),
+                                actor=True, workers=[address], pure=False).result(timeout=60)
+                  for k, address in enumerate(addresses)]
+        shards = HolderShards(actors, timeout, client)
+        # No update will ever bring either shard to this version.
+        waiting = shards.call("state_at", 10**6)
+        pid = client.run(os.getpid, workers=[addresses[1]])[addresses[1]]
+        started = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(dt.HolderLost, match=r"shard 1"):
+            waiting.result()
+        assert time.monotonic() - started < timeout / 3

@@ -14,16 +14,15 @@ import pytest
 import torch
 
 from dasktrain.trainer.errors import TrainerError
-from dasktrain.trainer.exchange import channel as channel_module
-from dasktrain.trainer.exchange import shared
-from dasktrain.trainer.exchange.channel import ChannelClient
+from dasktrain.trainer.exchange import shared, transfer
+from dasktrain.trainer.exchange.client import ChannelClient
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.holder.arithmetic import Lease
 from tests.common.channel import serve_channel
 
 SIZE = 1000
 # Replies this large are copied into the region on the channel's threads, not on its loop.
-THREADED = channel_module._COPY_INLINE_BYTES // 4 + 1
+THREADED = transfer._COPY_INLINE_BYTES // 4 + 1
 
 pytestmark = pytest.mark.skipif(not shared.supported(), reason="Linux memory files only")
 

@@ -13,7 +13,7 @@ import torch
 
 import dasktrain as dt
 from dasktrain.trainer.flat import FlatLayout, FlatModel
-from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from tests.common.training import (
     flat_parameters,
     mlp,

@@ -2,8 +2,14 @@
 
 from dasktrain.trainer import optim
 from dasktrain.trainer.driver.trainer import Trainer
-from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged, WorkersPaused
-from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
+from dasktrain.trainer.errors import (
+    HolderLost,
+    InvalidLoss,
+    TrainerError,
+    TrainingDiverged,
+    WorkersPaused,
+)
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.modes import MODES, get_mode
 from dasktrain.trainer.view.callbacks import (
     Callback,
@@ -14,5 +20,5 @@ from dasktrain.trainer.view.callbacks import (
 from dasktrain.trainer.view.history import History
 
 __all__ = ["MODES", "Callback", "EarlyStopping", "History", "HolderConfig", "HolderLost",
-           "ModelCheckpoint", "ParameterHolder", "ReduceLROnPlateau", "Trainer", "TrainerError",
-           "TrainingDiverged", "WorkersPaused", "get_mode", "optim"]
+           "InvalidLoss", "ModelCheckpoint", "ParameterHolder", "ReduceLROnPlateau", "Trainer",
+           "TrainerError", "TrainingDiverged", "WorkersPaused", "get_mode", "optim"]

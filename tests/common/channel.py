@@ -15,7 +15,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from dasktrain.trainer.exchange.channel import ChannelServer, Order, PushFunction
+from dasktrain.trainer.exchange.protocol import Order
+from dasktrain.trainer.exchange.server import ChannelServer, PushFunction
 from dasktrain.trainer.holder.actor import ParameterHolder
 from tests.common.training import zeros_holder
 

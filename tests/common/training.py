@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer.holder.actor import HolderConfig
+from dasktrain.trainer.holder.config import HolderConfig
 
 
 def mlp(width: int = 4, hidden: int = 8, out: int = 1, seed: int = 0) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 Each task reads its rows straight from the dataset's Zarr arrays on the worker that runs
 it and applies the model there, so nothing but the results crosses the network: the
 outputs (``predict``, a lazy dask array) or a few sums (``evaluate``). The model travels
-once, as one key of the graph shared by every task.
+once, as one key shared by every task.
 """
 
 from __future__ import annotations
@@ -89,17 +89,20 @@ def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Data
     return {**totals.to_dict(), "correct": correct, "classified": counted}
 
 
-def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, *, batch_size: int,
-                       forward: ForwardFunction | None, as_dict: bool, threads: int
-                       ) -> da.Array:
-    """A lazy dask array of the model's outputs, one block per chunk of ``dataset``."""
+def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client, *,
+                       batch_size: int, forward: ForwardFunction | None, as_dict: bool,
+                       threads: int) -> da.Array:
+    """A lazy dask array of the model's outputs, one block per chunk of ``dataset``, whose
+    tasks run on ``client``'s cluster."""
     first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
     model.eval()
     with torch.no_grad():
         sample = (forward(model, first) if forward is not None else
                   model(first[0] if isinstance(first, tuple) else first))
     shape, dtype = tuple(sample.shape[1:]), sample.detach().cpu().numpy().dtype
-    shared = dask.delayed(model, pure=False)  # one key: the model travels once
+    # On the cluster now, as one key every task reads: the model travels there once, not
+    # with the graph at every compute; the array holds the future, which keeps it there.
+    shared = client.scatter(model, hash=False)
     task = dask.delayed(_predict_block, pure=True)
     blocks = [da.from_delayed(task(shared, forward, dataset, a, b, batch_size, as_dict,
                                    threads), shape=(b - a, *shape), dtype=dtype)

@@ -30,8 +30,9 @@ from dasktrain.trainer.driver.update_log import UpdateLog
 from dasktrain.trainer.driver.watch import PauseWatch
 from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged
 from dasktrain.trainer.exchange.handle import HolderHandle
-from dasktrain.trainer.holder.actor import HolderConfig, ParameterHolder
-from dasktrain.trainer.holder.shards import HolderShards, shard_workers
+from dasktrain.trainer.exchange.sharded import HolderShards
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
+from dasktrain.trainer.holder.shards import shard_workers
 from dasktrain.trainer.view.history import History
 from dasktrain.trainer.worker.loop import WorkerConfig, WorkerFailure, run_worker
 
@@ -362,4 +363,4 @@ def _warn_if_oversubscribed(config: WorkerConfig, workers: dict[str, dict[str, A
         f"{config.workers} trainer workers on a cluster of {threads} worker thread(s) in "
         f"{len(workers)} process(es): up to {sharing} trainer tasks share one Dask worker "
         f"process, each with {config.torch_threads or 'all'} torch thread(s), and compete "
-        f"for its cores. Use workers <= {threads}, or add Dask workers", stacklevel=4)
+        f"for its cores. Use workers <= {threads}, or add Dask workers", stacklevel=5)

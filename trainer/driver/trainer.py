@@ -1,15 +1,16 @@
-"""``Trainer``: data-parallel training on a Dask cluster through a central parameter holder."""
+"""``Trainer``: data-parallel training on a Dask cluster through a central parameter holder.
+
+The public class composes the driver's modules: :mod:`.settings` (the checks of its
+arguments, its settings as plain data), :mod:`.fitting` (the body of ``fit``, with
+:mod:`.resume` and :mod:`.epoch_records`), :mod:`.inference` (``evaluate``, ``predict``)
+and :mod:`.persistence` (``save``, ``load``).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import math
 import os
-import time
-import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,118 +20,35 @@ import torch
 from distributed import Client
 
 from dasktrain._cluster import cluster_client
-from dasktrain._durable import StorageOptions, check_storage_options
+from dasktrain._durable import StorageOptions
 from dasktrain.datasets import Dataset, open_dataset
-from dasktrain.pipeline import EpochPlan, Pipeline
-from dasktrain.trainer.driver.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.pipeline import Pipeline
+from dasktrain.trainer.driver.fitting import fit_trainer
 from dasktrain.trainer.driver.inference import (
     ForwardFunction,
     evaluate_on_cluster,
     predict_on_cluster,
 )
+from dasktrain.trainer.driver.persistence import read_trainer, save_trainer
 from dasktrain.trainer.driver.run import FitRun
-from dasktrain.trainer.driver.update_log import UpdateLog, records_of
-from dasktrain.trainer.errors import TrainingDiverged
+from dasktrain.trainer.driver.settings import (
+    ModelSpec,
+    check_arguments,
+    check_loss_given,
+    merge_mode_options,
+    model_factory,
+    run_settings,
+    saved_settings,
+)
 from dasktrain.trainer.exchange.buckets import BUCKET_BYTES
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.holder.actor import HolderConfig
-from dasktrain.trainer.holder.divergence import check_policy
-from dasktrain.trainer.holder.shards import check_shards
-from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.optim import OptimizerConfig
-from dasktrain.trainer.view.callbacks import Callback, as_callbacks, tell_exception
+from dasktrain.trainer.view.callbacks import Callback
 from dasktrain.trainer.view.history import History
-from dasktrain.trainer.worker.compute import (
-    BatchCompute,
-    MetricFunction,
-    MetricTotals,
-    StepFunction,
-    check_compute_options,
-)
-from dasktrain.trainer.worker.loop import LossFunction, WorkerConfig
+from dasktrain.trainer.worker.compute import BatchCompute, MetricFunction, StepFunction
+from dasktrain.trainer.worker.loop import LossFunction
 
 __all__ = ["Trainer"]
-
-ModelSpec = Callable[[], torch.nn.Module] | torch.nn.Module
-_PIPELINE_OPTIONS = ("shuffle", "seed", "transform", "prefetch", "shuffle_blocks",
-                     "block_rows", "drop_last", "as_dict")
-
-
-def _copy_of(module: torch.nn.Module) -> torch.nn.Module:
-    return copy.deepcopy(module)
-
-
-def _merge_mode_options(given: dict[str, Any] | None, keywords: dict[str, Any]
-                        ) -> dict[str, Any]:
-    if given is None:
-        return keywords
-    if not isinstance(given, dict):
-        raise TypeError(f"mode_options must be a dict, got {type(given).__name__}")
-    both = sorted(set(given) & set(keywords))
-    if both:
-        raise TypeError(f"mode option(s) {both} given both in mode_options and as keywords")
-    return {**given, **keywords}
-
-
-def _checkpoint_history(state: dict[str, Any], path: str | os.PathLike,
-                        storage_options: StorageOptions | None = None) -> History:
-    """The History of a checkpoint: its summary, and the per-update records from the update
-    log beside it up to the checkpoint's version (a fit checkpoint) or from the file itself
-    (a :meth:`Trainer.save`)."""
-    history = History.from_dict(state["history"])
-    if not history.version and "holder" in state:
-        log = UpdateLog(path, storage_options=storage_options)
-        rows = log.read(up_to_version=int(state["holder"]["version"]))
-        history.extend(records_of(rows))
-    return history
-
-
-_FUNCTION = "function:"
-
-
-def _name_of(value: Any) -> Any:
-    """A function as a comparable name (``function:module.qualname``); None stays None."""
-    if value is None:
-        return None
-    module = getattr(value, "__module__", None) or "?"
-    name = getattr(value, "__qualname__", None) or type(value).__qualname__
-    return f"{_FUNCTION}{module}.{name}"
-
-
-def _dataset_key(dataset: Dataset) -> str:
-    """Which data a run trains on: the dataset's identity and its rows."""
-    return f"{dataset.identity}[{dataset.start}:{dataset.stop}]"
-
-
-def _merged_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
-    """The epoch's training metrics over every worker's batches (sample-weighted means)."""
-    totals = MetricTotals()
-    for report in reports:
-        totals.merge(report.get("metrics") or {})
-    return totals.means()
-
-
-def _load_callback_states(callbacks: list[Callback], states: list[dict[str, Any]]) -> None:
-    """Give each callback its state from the checkpoint (matched by position and type)."""
-    for callback, saved in zip(callbacks, states, strict=False):
-        if saved.get("type") == type(callback).__name__:
-            callback.load_state_dict(saved.get("state") or {})
-
-
-def _check_clip(norm: float | None, value: float | None) -> None:
-    for name, limit in (("clip_grad_norm", norm), ("clip_grad_value", value)):
-        if limit is not None and not (isinstance(limit, (int, float)) and
-                                      math.isfinite(limit) and limit > 0):
-            raise ValueError(f"{name} must be a positive number, got {limit!r}")
-
-
-def _factory(model: ModelSpec) -> Callable[[], torch.nn.Module]:
-    if isinstance(model, torch.nn.Module):
-        return functools.partial(_copy_of, model)
-    if callable(model):
-        return model
-    raise TypeError(f"model must be a torch.nn.Module or a function returning one, got "
-                    f"{type(model).__name__}")
 
 
 class Trainer:
@@ -276,26 +194,16 @@ class Trainer:
         mode_options: dict[str, Any] | None = None,
         **more_mode_options: Any,
     ) -> None:
-        self._factory = _factory(model)
-        mode_options = _merge_mode_options(mode_options, more_mode_options)
+        self._factory = model_factory(model)
+        mode_options = merge_mode_options(mode_options, more_mode_options)
         metrics = dict(metrics or {})
-        check_compute_options(loss, step, metrics, precision)
-        _check_clip(clip_grad_norm, clip_grad_value)
-        if not isinstance(optimizer, OptimizerConfig):
-            raise TypeError("optimizer must come from dt.optim (e.g. dt.optim.sgd(lr=0.1))")
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {workers!r}")
-        mode_class(mode).check(workers, mode_options)  # unknown modes and options fail here
-        check_shards(holder_shards, mode, clip_grad_norm)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-        if timeout <= 0 or barrier_timeout <= 0:
-            raise ValueError("timeout and barrier_timeout must be positive")
-        check_policy(on_nonfinite, nonfinite_patience)
+        check_arguments(loss=loss, step=step, metrics=metrics, precision=precision,
+                        optimizer=optimizer, mode=mode, mode_options=mode_options,
+                        workers=workers, batch_size=batch_size, holder_shards=holder_shards,
+                        clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
+                        checkpoint_every=checkpoint_every, bucket_bytes=bucket_bytes,
+                        timeout=timeout, barrier_timeout=barrier_timeout,
+                        on_nonfinite=on_nonfinite, nonfinite_patience=nonfinite_patience)
         self.loss = loss
         self.compute = BatchCompute(loss, step, metrics, precision)
         self.clip_grad_norm = clip_grad_norm
@@ -334,38 +242,9 @@ class Trainer:
         the current epoch, as in Keras."""
         self._current_run: FitRun | None = None
 
-    # -- data --------------------------------------------------------------------------
-    def _resolve(self, data: Dataset | Pipeline | str | os.PathLike
-                 ) -> tuple[Dataset, dict[str, Any]]:
-        options = dict(self.pipeline_options)
-        if isinstance(data, Pipeline):
-            if data.batch_size != self.batch_size:
-                raise ValueError(f"the pipeline's batch_size {data.batch_size} differs from "
-                                 f"the trainer's {self.batch_size} (per worker)")
-            options.update({k: getattr(data, k) for k in _PIPELINE_OPTIONS})
-            return data.dataset, options
-        return (data if isinstance(data, Dataset) else open_dataset(data)), options
-
-    def _plan(self, dataset: Dataset, options: dict[str, Any], epoch: int) -> EpochPlan:
-        return EpochPlan(dataset.start, dataset.stop, options["block_rows"] or
-                         dataset.chunk_rows, self.batch_size, options["seed"], epoch,
-                         options["shuffle"], options["shuffle_blocks"], options["drop_last"])
-
     def _config(self) -> dict[str, Any]:
-        """The settings that define a run (stored in checkpoints; plain values only)."""
-        options = self.pipeline_options
-        return {"mode": self.mode, "workers": self.workers, "batch_size": self.batch_size,
-                "seed": options["seed"], "shuffle": options["shuffle"],
-                "shuffle_blocks": options["shuffle_blocks"],
-                "block_rows": options["block_rows"], "drop_last": options["drop_last"],
-                "transform": _name_of(options["transform"]),
-                "as_dict": options["as_dict"], "step": _name_of(self.compute.step),
-                "precision": self.compute.precision,
-                "clip_grad_norm": self.clip_grad_norm,
-                "clip_grad_value": self.clip_grad_value,
-                "optimizer": self.optimizer.to_dict(),
-                "mode_options": {k: _name_of(v) if callable(v) else v
-                                 for k, v in self.mode_options.items()}}
+        """The settings that define a run (plain values only): a resume must match them."""
+        return run_settings(self)
 
     # -- training ----------------------------------------------------------------------
     def fit(
@@ -409,126 +288,8 @@ class Trainer:
             credentials, endpoint. Without them, fsspec's configuration and the
             environment apply.
         """
-        if not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
-        dataset, options = self._resolve(data)
-        callbacks = as_callbacks(callbacks)
-        storage_options = check_storage_options(storage_options)
-        self.stop_training = False
-        if self.batch_size > len(dataset):
-            raise ValueError(f"batch_size {self.batch_size} is larger than the "
-                             f"{len(dataset)} samples of {dataset!r}")
-        state = (load_checkpoint(resume, storage_options=storage_options)
-                 if resume is not None else None)
-        kind = mode_class(self.mode)
-        per_epoch = [self._plan(dataset, options, e).num_batches for e in range(epochs)]
-        total_steps = sum(kind.planned_updates(b, self.workers, self.mode_options)
-                          for b in per_epoch)
-        epoch_steps = tuple(math.ceil(b / self.workers) for b in per_epoch)
-        schedule = kind.schedule_length(epoch_steps, total_steps, self.mode_options)
-        if state is not None:
-            self._check_resumable(state, dataset, epochs, schedule, epoch_steps)
-        history = _checkpoint_history(state, resume, storage_options) if state else \
-            History(mode=self.mode, workers=self.workers)
-        start = int(state["complete_epochs"]) if state else 0
-        holder_config = HolderConfig(
-            model=self._factory, optimizer=self.optimizer, workers=self.workers,
-            mode=self.mode, mode_options=self.mode_options, total_steps=total_steps,
-            barrier_timeout=self.barrier_timeout, torch_threads=self.torch_threads,
-            direct_channel=self.direct_channel, shared_memory=self.shared_memory,
-            bucket_bytes=self.bucket_bytes,
-            on_nonfinite=self.on_nonfinite,
-            nonfinite_patience=self.nonfinite_patience, clip_grad_norm=self.clip_grad_norm,
-            clip_grad_value=self.clip_grad_value)
-        worker_config = WorkerConfig(
-            model=self._factory, compute=self.compute, data=dataset, workers=self.workers,
-            batch_size=self.batch_size, pipeline_options=options,
-            mode=self.mode, mode_options=self.mode_options, optimizer=self.optimizer,
-            epoch_steps=epoch_steps, device=self.device, torch_threads=self.torch_threads,
-            timeout=self.timeout, clip=(self.clip_grad_norm, self.clip_grad_value))
-        self.history = history  # the run's own, growing: callbacks may read and add to it
-        bar = self._progress_bar(total_steps, initial=len(history.loss))
-        started = time.perf_counter() - history.wall_time
-        try:
-            with cluster_client(client) as c:
-                run = FitRun(c, holder_config, worker_config,
-                             holder_worker=self.holder_worker, timeout=self.timeout,
-                             shards=self.holder_shards,
-                             checkpoint=str(checkpoint) if checkpoint is not None else None,
-                             checkpoint_every=self.checkpoint_every,
-                             checkpoint_extra=lambda: {
-                                 "trainer": self._config(),
-                                 "callbacks": [{"type": type(cb).__name__,
-                                                "state": cb.state_dict()}
-                                               for cb in callbacks],
-                                 "run": {"epochs": epochs, "total_steps": total_steps,
-                                         "schedule_steps": schedule,
-                                         "dataset": _dataset_key(dataset)}},
-                             history=history, progress=bar,
-                             storage_options=storage_options,
-                             on_records=lambda records: [cb.on_update(self, records)
-                                                         for cb in callbacks])
-                self._current_run = run
-                try:
-                    self._run(run, c, state, start, epochs, history, started, validation,
-                              callbacks)
-                except TrainingDiverged:
-                    # The holder refused the round that diverged: its parameters are the
-                    # last finite ones, worth having in trainer.model.
-                    with contextlib.suppress(Exception):
-                        self._load(run.parameters())
-                    raise
-                finally:
-                    self._current_run = None
-                    if run.last_checkpoint is not None:
-                        self.last_checkpoint = str(run.last_checkpoint)
-                    run.close()
-        except BaseException as exc:
-            # What was recorded up to the failure stays available on the error too.
-            with contextlib.suppress(AttributeError, TypeError):
-                exc.history = history
-            history.wall_time = time.perf_counter() - started
-            self.history = history
-            tell_exception(callbacks, self, exc)
-            raise
-        finally:
-            history.wall_time = time.perf_counter() - started
-            self.history = history
-            if bar is not None:
-                bar.close()
-        return history
-
-    def _run(self, run: FitRun, client: Client, state: dict[str, Any] | None, start: int,
-             epochs: int, history: History, started: float,
-             validation: Dataset | str | os.PathLike | None,
-             callbacks: list[Callback]) -> None:
-        """The epochs of a fit, from ``start``."""
-        if state is not None:
-            run.call("load_state_dict", state["holder"])
-            run.version = int(state["holder"]["version"])
-            _load_callback_states(callbacks, state.get("callbacks") or [])
-        for callback in callbacks:
-            callback.on_fit_start(self)
-        for epoch in range(start, epochs):
-            fresh = state is None or epoch != int(state["holder"]["epoch"])
-            epoch_started = time.perf_counter()
-            reports = run.run_epoch(epoch, fresh)
-            self._load(run.parameters())
-            record = self._epoch_record(epoch, reports, time.perf_counter() - epoch_started)
-            if validation is not None:
-                record["validation"] = self.evaluate(validation, client=client)
-            history.epochs.append(record)
-            run.show_epoch(record)
-            history.wall_time = time.perf_counter() - started
-            for callback in callbacks:  # before the save: their state goes in with it
-                callback.on_epoch_end(self, record)
-            run.save(complete_epochs=epoch + 1)
-            if self.stop_training:
-                history.events.append(f"training stopped after epoch {epoch} by a callback")
-                break
-        self._load(run.parameters())
-        for callback in callbacks:
-            callback.on_fit_end(self, history)
+        return fit_trainer(self, data, epochs, validation, client, checkpoint, resume,
+                           callbacks, storage_options)
 
     def set_lr_factor(self, factor: float) -> float:
         """During a fit (from a callback): multiply the holder's learning-rate schedule by
@@ -539,79 +300,6 @@ class Trainer:
             raise ValueError(f"the learning-rate factor must be a positive number, got "
                              f"{factor!r}")
         return float(self._current_run.call("set_lr_factor", float(factor)))
-
-    def _check_resumable(self, state: dict[str, Any], dataset: Dataset, epochs: int,
-                         schedule: int, epoch_steps: tuple[int, ...]) -> None:
-        """Refuse a resume that would change the run.
-
-        Every setting that decides which batches are drawn or how they are applied must
-        match the checkpoint's, named in the error if not. More (or fewer) epochs are
-        allowed: the learning-rate schedule is then stretched to the new length, and a
-        warning says what that does to the learning rate."""
-        mine, theirs = self._config(), state.get("trainer", {})
-        for key, value in mine.items():
-            if key in theirs and theirs[key] != value:
-                raise ValueError(f"cannot resume: the checkpoint was made with {key}="
-                                 f"{theirs[key]!r}, this trainer has {key}={value!r}; "
-                                 "resuming would change the run (use the checkpoint's "
-                                 "setting, or start afresh)")
-        run = state.get("run", {})
-        if run.get("dataset") not in (None, _dataset_key(dataset)):
-            raise ValueError(f"cannot resume: the checkpoint was made on dataset "
-                             f"{run['dataset']!r}, this fit is on {_dataset_key(dataset)!r}")
-        before = run.get("schedule_steps", run.get("total_steps",
-                                                    state["holder"].get("total_steps")))
-        if before is not None and before != schedule:
-            kind = mode_class(self.mode)
-            step = kind.schedule_position(state["holder"], epoch_steps, self.mode_options)
-            old = self.optimizer.lr_at(step, before)
-            new = self.optimizer.lr_at(step, schedule)
-            note = (f"resuming with epochs={epochs} (the checkpoint's run had "
-                    f"{run.get('epochs', '?')}): the schedule now spans {schedule} "
-                    f"steps instead of {before}")
-            if old != new:
-                warnings.warn(f"{note}, so the learning rate at step {step} changes from "
-                              f"{old:.4g} to {new:.4g}", stacklevel=3)
-
-    def _progress_bar(self, total: int, initial: int) -> Any:
-        if not self.show_progress:
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, initial=initial, unit="update",
-                    desc=f"{self.mode} x{self.workers}")
-
-    def _epoch_record(self, epoch: int, reports: list[dict[str, Any]], wall: float
-                      ) -> dict[str, Any]:
-        samples = sum(r["samples"] for r in reports)
-        return {
-            "epoch": epoch,
-            "wall_s": wall,
-            "samples": samples,
-            "samples_per_s": samples / wall if wall > 0 else 0.0,
-            "stall": float(np.mean([r["stall"] for r in reports])) if reports else None,
-            "exchange_s": float(np.mean([r["exchange_s"] for r in reports]))
-            if reports else None,
-            "workers_finished": len(reports),
-            # How each worker reached the holder: in its process, direct channel, actor.
-            "exchange_via": dict(Counter(r["exchange_via"] for r in reports)),
-            "train": _merged_metrics(reports),
-            # Batches whose loss was not finite (on_nonfinite="skip"): refused by the
-            # holder, and left out of "train" so that one bad batch cannot make it NaN.
-            "skipped_steps": sum(int(r.get("skipped_nonfinite", 0)) for r in reports),
-            # Per worker, so a report can show which replica waited on data or lagged.
-            "per_worker": [
-                {"worker": int(r["worker"]), "samples": int(r["samples"]),
-                 "stall": float(r["stall"]),
-                 "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
-                 # Of the stall, the wait for the epoch's first batch (the pipeline starting).
-                 "first_batch_s": float(r.get("first_batch_s", 0.0)),
-                 # "shared", "local" or "tcp" over the direct channel; None without one.
-                 "transport": r.get("transport"),
-                 # Pushes sent bucket by bucket during backward (direct channel only).
-                 "pushes_in_buckets": int(r.get("pushes_in_buckets", 0))}
-                for r in sorted(reports, key=lambda r: r["worker"])],
-        }
 
     def _load(self, values: np.ndarray) -> None:
         if self._flat is None:
@@ -624,6 +312,7 @@ class Trainer:
         """Mean loss and metrics of :attr:`model` over ``data`` (and accuracy where the
         targets are class labels), computed by tasks on the cluster's workers, one per
         chunk of rows."""
+        check_loss_given(self.compute)
         dataset = data if isinstance(data, Dataset) else open_dataset(data)
         with cluster_client(client) as c:
             return evaluate_on_cluster(self.model, self.compute, dataset, c,
@@ -632,57 +321,52 @@ class Trainer:
                                        threads=self.torch_threads)
 
     def predict(self, data: Dataset | str | os.PathLike, *, batch_size: int = 1024,
-                forward: ForwardFunction | None = None) -> da.Array:
+                forward: ForwardFunction | None = None, client: Client | None = None
+                ) -> da.Array:
         """The outputs of :attr:`model` on every row of ``data``, as a lazy dask array (one
         task per chunk of rows, run on the cluster when computed).
 
         ``forward(model, batch) -> output`` replaces ``model(x)`` for models of several
-        inputs (batches are dicts with ``as_dict=True``).
+        inputs (batches are dicts with ``as_dict=True``). ``client`` (default: as for
+        :meth:`fit`) is the cluster the model is sent to now, once, and the tasks run on:
+        compute the array with that client (``.compute()`` does, when it is the default).
         """
         dataset = data if isinstance(data, Dataset) else open_dataset(data)
-        return predict_on_cluster(copy.deepcopy(self.model), dataset, batch_size=batch_size,
-                                  forward=forward, as_dict=self.pipeline_options["as_dict"],
-                                  threads=self.torch_threads)
+        with cluster_client(client) as c:
+            return predict_on_cluster(copy.deepcopy(self.model), dataset, c,
+                                      batch_size=batch_size, forward=forward,
+                                      as_dict=self.pipeline_options["as_dict"],
+                                      threads=self.torch_threads)
 
     def save(self, path: str | os.PathLike, *,
              storage_options: StorageOptions | None = None) -> str:
-        """Save the model's parameters, the trainer's settings and the history (atomic);
-        ``storage_options`` go to fsspec for a ``path`` at a URL."""
-        written = save_checkpoint(path, {
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "trainer": self._config(),
-            "history": self.history.to_dict() if self.history else None},
-            storage_options=check_storage_options(storage_options))
-        return str(written)
+        """Save the model's parameters, every setting of the trainer that is plain data
+        (functions by name) and the history (atomic); ``storage_options`` go to fsspec for
+        a ``path`` at a URL."""
+        return save_trainer(path, self.model, saved_settings(self), self.history,
+                            storage_options=storage_options)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: ModelSpec,
-             loss: LossFunction = torch.nn.functional.mse_loss, *,
+             loss: LossFunction | None = None, *, step: StepFunction | None = None,
+             metrics: dict[str, MetricFunction] | None = None,
+             transform: Callable | None = None,
              storage_options: StorageOptions | None = None) -> Trainer:
-        """A trainer with the parameters saved by :meth:`save` (or the latest of a fit's
-        checkpoint). ``model`` builds the architecture: code is never read from the file.
-        ``storage_options`` go to fsspec for a ``path`` at a URL."""
-        storage_options = check_storage_options(storage_options)
-        state = load_checkpoint(path, storage_options=storage_options)
-        config = state.get("trainer")
-        if config is None:
-            raise ValueError(f"{path} holds no trainer settings")
-        mode_options = config.get("mode_options") or {}
-        if not isinstance(mode_options, dict):
-            raise ValueError(f"{path}: the stored mode options are not a mapping")
-        # A function given as an option is stored by name only (a file never names code
-        # to import): such options are left out here and must be given again to fit.
-        mode_options = {k: v for k, v in mode_options.items()
-                        if not (isinstance(v, str) and v.startswith(_FUNCTION))}
-        # One dict, checked by the mode: a file never sets other constructor arguments.
-        trainer = cls(model, loss, OptimizerConfig.from_dict(config["optimizer"]),
-                      config["mode"], config["workers"], config["batch_size"],
-                      seed=config["seed"], mode_options=mode_options)
-        if "model" in state:
-            trainer.model.load_state_dict(state["model"])
-        else:  # a fit checkpoint: the holder's flat parameters then buffers
-            holder = state["holder"]
-            trainer._load(torch.cat([holder["params"], holder["buffers"]]).numpy())
-        if state.get("history"):
-            trainer.history = _checkpoint_history(state, path, storage_options)
+        """A trainer with the parameters and settings saved by :meth:`save` (or the latest
+        of a fit's checkpoint).
+
+        ``model`` builds the architecture: code is never read from the file. Every setting
+        that is plain data is restored; functions are not, so give ``loss`` (or ``step``),
+        ``metrics`` and ``transform`` again. A ``torch.nn.functional`` loss is restored by
+        its name. Without a loss the trainer predicts, and ``evaluate`` and ``fit`` say
+        what to pass. ``storage_options`` go to fsspec for a ``path`` at a URL.
+        """
+        saved = read_trainer(path, loss=loss, step=step, metrics=metrics,
+                             transform=transform, storage_options=storage_options)
+        trainer = cls(model, **saved.arguments)
+        if saved.model_state is not None:
+            trainer.model.load_state_dict(saved.model_state)
+        else:
+            trainer._load(saved.flat_values)
+        trainer.history = saved.history
         return trainer

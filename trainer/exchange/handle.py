@@ -20,7 +20,7 @@ from distributed import Client, get_client, get_worker
 from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
 from dasktrain.trainer.errors import HolderLost, TrainerError
-from dasktrain.trainer.exchange.channel import ChannelClient, OutgoingPush, PendingPush
+from dasktrain.trainer.exchange.client import ChannelClient, OutgoingPush, PendingPush
 from dasktrain.trainer.exchange.reconnect import ChannelRefused, ChannelReturn, ChannelUnavailable
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.holder.arithmetic import Lease

@@ -1,6 +1,6 @@
 """Shared memory between a trainer worker and a holder on the same host.
 
-Over the direct channel's local socket (see :mod:`.channel`) a worker hands the holder one
+Over the direct channel's local socket (see :mod:`.protocol`) a worker hands the holder one
 anonymous memory file holding two regions of a payload's size: the payload it pushes and
 the reply it is sent. A push then moves no payload bytes at all: the worker's gradients
 already lie in memory the holder reads (its model's ``.grad`` tensors are views of the

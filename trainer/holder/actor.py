@@ -1,21 +1,26 @@
 """The central parameter holder: a Dask actor that hosts an update mode.
 
 It owns the master parameters (:mod:`.arithmetic`), knows its workers
-(:mod:`.membership`), records what it applies (:mod:`.records`) and serves the wire (the
-actor's calls and the direct channel, :mod:`.channel`). *When* and *what* it applies is the
-update mode's business (:mod:`dasktrain.trainer.modes`), which sees it through the small
-host interface documented in :mod:`dasktrain.trainer.modes.base`.
+(:mod:`.membership`), records what it applies (:mod:`.records`), refuses what is not finite
+(:mod:`.divergence`) and serves the wire (the actor's calls, and the direct channel through
+:mod:`dasktrain.trainer.exchange.contact`). *When* and *what* it applies is the update mode's
+business (:mod:`dasktrain.trainer.modes`), which sees it through the small host interface
+documented in :mod:`dasktrain.trainer.modes.base`. How it is built is
+:mod:`.config`; checkpoints awaited at a version are :mod:`.waiters`.
 
 Every public method is ``async`` and runs on the holder worker's event loop, so barriers are
 plain asyncio futures; the arithmetic runs in the serial section of :mod:`.arithmetic`.
+
+The actor stays one piece of some 530 lines because every method left reads or moves the
+same version, epoch and membership state under that one serial section (the wire's calls, the
+modes' host interface, the checkpoint of that state): split further, the parts would share
+that state through attributes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,87 +30,21 @@ from distributed import get_worker
 
 from dasktrain._malloc import tune_allocator
 from dasktrain.trainer.errors import TrainerError, TrainingDiverged
-from dasktrain.trainer.exchange.buckets import BUCKET_BYTES, bucket_order
-from dasktrain.trainer.exchange.channel import ChannelServer, channel_host
+from dasktrain.trainer.exchange.contact import HolderChannel
 from dasktrain.trainer.flat import FlatLayout, FlatModel
-from dasktrain.trainer.holder.arithmetic import Arithmetic, Lease, as_tensor
-from dasktrain.trainer.holder.divergence import NonFiniteGuard, all_finite, check_policy
+from dasktrain.trainer.holder.arithmetic import Arithmetic, Lease
+from dasktrain.trainer.holder.config import HolderConfig
+from dasktrain.trainer.holder.divergence import NonFiniteGuard, all_finite, finite_mean
 from dasktrain.trainer.holder.membership import Membership, Watchdog
 from dasktrain.trainer.holder.records import Records
-from dasktrain.trainer.holder.shards import check_shards, shard_layouts, shard_states
+from dasktrain.trainer.holder.shards import shard_layouts, shard_states
+from dasktrain.trainer.holder.waiters import StateWaiters
 from dasktrain.trainer.modes import Contribution, get_mode, mode_class
 from dasktrain.trainer.modes.base import Adjust, Adjusted
-from dasktrain.trainer.optim import OptimizerConfig
 
-__all__ = ["HolderConfig", "ParameterHolder"]
+__all__ = ["ParameterHolder"]
 
 logger = logging.getLogger(__name__)
-
-ModelFactory = Callable[[], torch.nn.Module]
-
-
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class HolderConfig:
-    """How to build a holder."""
-
-    model: ModelFactory
-    """Called once on the holder's worker: its parameters are everyone's starting point."""
-    optimizer: OptimizerConfig
-    """The optimizer the holder runs."""
-    workers: int
-    """Trainer workers that push to this holder."""
-    mode: str = "sync"
-    """Update mode (see :data:`dasktrain.trainer.modes.MODES`)."""
-    mode_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Options of the mode."""
-    total_steps: int | None = None
-    """Updates in the whole fit (for learning-rate schedules)."""
-    barrier_timeout: float = 120.0
-    """Seconds an update waits for a live worker before going on without it."""
-    check_interval: float = 1.0
-    """Seconds between liveness checks of the workers an update waits for."""
-    torch_threads: int = 1
-    """Intra-op threads of torch in the holder's process."""
-    direct_channel: bool = True
-    """Pushes from workers in other processes go over a direct TCP connection to the
-    holder (see :mod:`dasktrain.trainer.exchange.channel`); False keeps them on the actor's
-    calls."""
-    shared_memory: bool = True
-    """Workers on the holder's host push through memory shared with it instead of bytes
-    over the direct channel's socket (see :mod:`dasktrain.trainer.exchange.shared`)."""
-    bucket_bytes: int = BUCKET_BYTES
-    """Least bytes of a bucket of the direct channel's payload order (see
-    :mod:`dasktrain.trainer.exchange.buckets`)."""
-    on_nonfinite: str = "raise"
-    """A non-finite gradient or loss stops the run (``"raise"``) or is refused and skipped
-    (``"skip"``); see :mod:`dasktrain.trainer.holder.divergence`."""
-    nonfinite_patience: int = 10
-    """With ``"skip"``: rounds (one gradient per worker) all refused in a row that still
-    stop the run, since no update is possible any more."""
-    clip_grad_norm: float | None = None
-    """Clip each applied (averaged) gradient to this global norm."""
-    clip_grad_value: float | None = None
-    """Clip each value of an applied gradient to ``[-v, v]`` (before the norm)."""
-    shard: tuple[int, int] | None = None
-    """``(k, K)``: this holder is shard k of K and keeps slice k of the parameters (see
-    :mod:`dasktrain.trainer.holder.shards`)."""
-
-    def __post_init__(self) -> None:
-        if not callable(self.model):
-            raise TypeError("model must be a callable returning a torch.nn.Module")
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
-        # Unknown modes and bad options fail here, before any cluster work.
-        mode_class(self.mode).check(self.workers, self.mode_options)
-        if self.barrier_timeout <= 0 or self.check_interval <= 0:
-            raise ValueError("barrier_timeout and check_interval must be positive")
-        check_policy(self.on_nonfinite, self.nonfinite_patience)
-        if self.shard is not None:
-            check_shards(self.shard[1], self.mode, self.clip_grad_norm)
-            if not 0 <= self.shard[0] < self.shard[1]:
-                raise ValueError(f"shard must be (k, K) with 0 <= k < K, got {self.shard!r}")
 
 
 class ParameterHolder:
@@ -162,9 +101,12 @@ class ParameterHolder:
                                   self._alive_addresses, interval=config.check_interval,
                                   timeout=config.barrier_timeout)
         self._error: BaseException | None = None
-        self._state_waiters: list[tuple[int, asyncio.Future]] = []
-        self._channel: ChannelServer | None = None
-        self._channel_failed = False
+        self._state_waiters = StateWaiters()
+        self._direct = HolderChannel(
+            self.exchange, self.layout, self._payload_size,
+            worker_address=None if self._worker is None else self._worker.address,
+            enabled=config.direct_channel, shared_memory=config.shared_memory,
+            bucket_bytes=config.bucket_bytes)
         self._closed = False
 
     # -- the host interface (see dasktrain.trainer.modes.base) --------------------------
@@ -295,36 +237,19 @@ class ParameterHolder:
         return {"params": params, "version": lease.version, "epoch": self._epoch,
                 "lr_factor": self._arith.lr_factor,
                 "position": self._mode.start_position(worker, recorded),
-                "channel": None if local else await self._channel_contact(worker)}
-
-    async def _channel_contact(self, worker: int) -> dict[str, Any] | None:
-        """Where ``worker`` connects for pushes, with its own token (None: use the actor);
-        the listener opens on first use."""
-        if not self.config.direct_channel or self._worker is None or self._channel_failed:
-            return None
-        if self._channel is None:
-            host = channel_host(self._worker.address)
-            if host is None:
-                return None
-            channel = ChannelServer(self.exchange, self._payload_size,
-                                    order=bucket_order(self.layout, self._payload_size,
-                                                      self.config.bucket_bytes),
-                                    shared_memory=self.config.shared_memory)
-            try:
-                await channel.start(host)
-            except OSError as exc:
-                logger.warning("holder: no direct channel on %s (%s); pushes go through "
-                               "the actor", host, exc)
-                self._channel_failed = True
-                return None
-            self._channel = channel
-        return self._channel.contact(worker)
+                "channel": None if local else await self._direct.contact(worker)}
 
     @property
     def channel_address(self) -> tuple[str, int] | None:
         """Where the direct channel listens for TCP connections; None before the first
         worker from another process joined, or without a channel."""
-        return None if self._channel is None else self._channel.address
+        return self._direct.address
+
+    @property
+    def _channel(self) -> Any:
+        """The direct channel's server once open, else None (the channel's tests reach it
+        here; the actor itself only asks :attr:`_direct` for contacts)."""
+        return self._direct.server
 
     async def exchange_changed(self, worker: int, via: str, reason: str = "") -> None:
         """``worker``'s pushes go ``via`` ``"actor"`` from now on (its direct channel could
@@ -430,24 +355,7 @@ class ParameterHolder:
         with_batch = [c for c in contributions if c.grads is not None and c.count > 0]
         adjusted = adjust(with_batch) if adjust is not None and with_batch else None
         lr_scale = adjusted.lr_scale if adjusted is not None else 1.0
-        used = _items(with_batch, adjusted)
-        refusals = [(c, f"worker {c.worker}: non-finite batch loss ({c.loss})")
-                    for c, *_ in used if not math.isfinite(c.loss)]
-        used = [item for item in used if math.isfinite(item[0].loss)]
-        grad = self._arith.average([p for _, p, _, _ in used], [w for _, _, w, _ in used])
-        if grad is not None and not all_finite(grad):
-            # Rare: find the culprits (one check each) and average the rest.
-            bad = {id(item) for item in used if not all_finite(as_tensor(item[1]))}
-            refusals += [(item[0], f"worker {item[0].worker}: non-finite gradient")
-                         for item in used if id(item) in bad]
-            used = [item for item in used if id(item) not in bad]
-            grad = self._arith.average([p for _, p, _, _ in used],
-                                       [w for _, _, w, _ in used], overflow_safe=True)
-            if grad is not None and not all_finite(grad):
-                # Finite payloads whose mean is not (values at the float32 limit).
-                refusals += [(item[0], f"worker {item[0].worker}: gradient whose average "
-                                       "with the others overflows float32") for item in used]
-                used, grad = [], None
+        used, grad, refusals = finite_mean(_items(with_batch, adjusted), self._arith.average)
         for contribution, reason in refusals:
             self.refused += 1
             self.record_event(f"{reason}, refused")
@@ -501,8 +409,8 @@ class ParameterHolder:
             self.record_event(self._diverged)
             await self._fail(error)
             raise error
-        if self._state_waiters and self._version >= min(v for v, _ in self._state_waiters):
-            await self._serve_state_waiters()
+        if self._state_waiters.due(self._version):
+            await self._state_waiters.serve(self.state_dict)
 
     # -- liveness ----------------------------------------------------------------------
     async def _alive_addresses(self) -> set[str] | None:
@@ -557,28 +465,7 @@ class ParameterHolder:
         self._check_usable()
         if self._version >= version:
             return await self.state_dict()
-        future = asyncio.get_running_loop().create_future()
-        self._state_waiters.append((version, future))
-        return await future
-
-    async def _serve_state_waiters(self) -> None:
-        # Taken before the (possibly threaded) copy, so that an update finishing meanwhile
-        # does not copy the state a second time for the same requests.
-        waiting, self._state_waiters = self._state_waiters, []
-        state = await self.state_dict()
-        for version, future in waiting:
-            if future.done():
-                continue
-            if state["version"] >= version:
-                future.set_result(state)
-            else:
-                self._state_waiters.append((version, future))
-
-    def _fail_state_waiters(self, error: BaseException) -> None:
-        waiting, self._state_waiters = self._state_waiters, []
-        for _, future in waiting:
-            if not future.done():
-                future.set_exception(error)
+        return await self._state_waiters.wait(version)
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` of a holder of the same model and mode."""
@@ -610,17 +497,16 @@ class ParameterHolder:
             self._error = error
             self._watchdog.stop()
             self._mode.abort(error)
-            self._fail_state_waiters(error)
+            self._state_waiters.fail(error)
 
     async def close(self) -> None:
         """Stop the watchdog, the channel and the arithmetic thread."""
         self._closed = True
         closed = TrainerError("the parameter holder is closed")
         self._mode.abort(closed)
-        self._fail_state_waiters(closed)
+        self._state_waiters.fail(closed)
         self._watchdog.stop()
-        if self._channel is not None:
-            await self._channel.close()
+        await self._direct.close()
         self._arith.close()
 
 

@@ -10,18 +10,38 @@ policy's call:
   for ``patience`` rounds in a row (a round is one gradient per worker): then no update is
   possible any more (parameters already diverged, or a learning rate that blows up every
   step), and the run stops with the same error instead of running out its epochs.
+
+:func:`finite_mean` is the refusal itself, which the holder runs on every update's
+gradients before it averages them; :class:`NonFiniteGuard` decides whether a refusal ends
+the run.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "all_finite", "check_policy"]
+from dasktrain.trainer.holder.arithmetic import as_tensor
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "all_finite", "check_policy", "finite_mean"]
 
 NONFINITE_POLICIES = ("raise", "skip")
+
+
+class Pushed(Protocol):
+    """What a refusal names of a pushed gradient (a mode's ``Contribution``)."""
+
+    worker: int
+    loss: float
+
+
+P = TypeVar("P", bound=Pushed)
+Item = tuple[P, np.ndarray, float, dict[str, Any]]  # (push, payload, weight, record fields)
+Average = Callable[..., "torch.Tensor | None"]  # (payloads, weights, overflow_safe=) -> mean
 
 
 def check_policy(policy: str, patience: int) -> None:
@@ -86,3 +106,40 @@ def all_finite(values: torch.Tensor) -> bool:
     if math.isfinite(float(values.sum())):
         return True
     return bool(torch.isfinite(values).all())
+
+
+def finite_mean(items: list[Item[P]], average: Average
+                ) -> tuple[list[Item[P]], torch.Tensor | None, list[tuple[P, str]]]:
+    """The items that can be applied, their weighted mean (None if none), and each refused
+    push with the reason.
+
+    Refused: a non-finite batch loss; then, only when the mean is not finite (the common
+    case costs one reduction), each non-finite payload, and the rest averaged again as a
+    weighted sum; if even that is not finite (finite payloads at the float32 limit), all.
+    ``average(payloads, weights, overflow_safe=False)`` is the holder's weighted mean.
+    """
+    refusals = [(push, f"worker {push.worker}: non-finite batch loss ({push.loss})")
+                for push, *_ in items if not math.isfinite(push.loss)]
+    used = [item for item in items if math.isfinite(item[0].loss)]
+    grad = average(_payloads(used), _weights(used))
+    if grad is None or all_finite(grad):
+        return used, grad, refusals
+    # By identity: an item holds an array, which has no truth value to compare by.
+    bad = {id(item) for item in used if not all_finite(as_tensor(item[1]))}
+    refusals += [(item[0], f"worker {item[0].worker}: non-finite gradient")
+                 for item in used if id(item) in bad]
+    used = [item for item in used if id(item) not in bad]
+    grad = average(_payloads(used), _weights(used), overflow_safe=True)
+    if grad is not None and not all_finite(grad):
+        refusals += [(item[0], f"worker {item[0].worker}: gradient whose average with the "
+                               "others overflows float32") for item in used]
+        used, grad = [], None
+    return used, grad, refusals
+
+
+def _payloads(items: Sequence[Item[P]]) -> list[np.ndarray]:
+    return [payload for _, payload, _, _ in items]
+
+
+def _weights(items: Sequence[Item[P]]) -> list[float]:
+    return [weight for _, _, weight, _ in items]

@@ -14,38 +14,64 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dasktrain._durable import StorageOptions, check_storage_options, join, remove
 
 if TYPE_CHECKING:
-    from dasktrain.trainer.driver.trainer import Trainer
+    import torch
+
     from dasktrain.trainer.view.history import History
 
 __all__ = ["Callback", "EarlyStopping", "ModelCheckpoint", "ReduceLROnPlateau",
-           "as_callbacks", "monitored", "tell_exception"]
+           "RunningTrainer", "as_callbacks", "monitored", "tell_exception"]
 
 logger = logging.getLogger(__name__)
+
+
+class RunningTrainer(Protocol):
+    """What a callback is given of the :class:`~dasktrain.Trainer` that runs it.
+
+    Declared here rather than imported from the Trainer's module, which imports this one
+    to call the callbacks: they depend on this small interface only. The Trainer is its
+    one implementation."""
+
+    stop_training: bool
+    """Set to end the fit after the current epoch."""
+    history: History | None
+    """The run's History, growing during the fit."""
+    model: torch.nn.Module
+    """A plain module holding the latest parameters (after each epoch)."""
+
+    def set_lr_factor(self, factor: float) -> float:
+        """Multiply the holder's learning-rate schedule by ``factor`` from the next
+        update on."""
+        ...
+
+    def save(self, path: str | os.PathLike, *,
+             storage_options: StorageOptions | None = None) -> str:
+        """Save the model, the settings and the history."""
+        ...
 
 
 class Callback:
     """Hooks called in the driver during :meth:`Trainer.fit`; all optional."""
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: RunningTrainer) -> None:
         """Before the first epoch of this fit."""
 
-    def on_update(self, trainer: Trainer, records: dict[str, list]) -> None:
+    def on_update(self, trainer: RunningTrainer, records: dict[str, list]) -> None:
         """New per-update records arrived (each list holds one entry per update or per
         gradient since the last call, as in :class:`History`); about twice a second."""
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: RunningTrainer, record: dict[str, Any]) -> None:
         """An epoch ended; ``record`` is its entry of ``History.epochs``. Runs before the
         epoch's checkpoint is written, so that it holds what the callbacks decided."""
 
-    def on_fit_end(self, trainer: Trainer, history: History) -> None:
+    def on_fit_end(self, trainer: RunningTrainer, history: History) -> None:
         """The fit ended (normally or by ``stop_training``)."""
 
-    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+    def on_exception(self, trainer: RunningTrainer, error: BaseException) -> None:
         """The fit failed with ``error`` (it diverged, a worker failed, Ctrl-C...); called
         once, before ``error`` propagates, with ``trainer.history`` holding what was
         recorded. An exception raised here is logged and ``error`` propagates as it is."""
@@ -59,10 +85,10 @@ class Callback:
 
 
 class _EpochFunction(Callback):
-    def __init__(self, fn: Callable[[Trainer, dict[str, Any]], Any]) -> None:
+    def __init__(self, fn: Callable[[RunningTrainer, dict[str, Any]], Any]) -> None:
         self.fn = fn
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: RunningTrainer, record: dict[str, Any]) -> None:
         self.fn(trainer, record)
 
 
@@ -80,7 +106,7 @@ def as_callbacks(items: Iterable[Callback | Callable]) -> list[Callback]:
     return out
 
 
-def tell_exception(callbacks: list[Callback], trainer: Trainer, error: BaseException
+def tell_exception(callbacks: list[Callback], trainer: RunningTrainer, error: BaseException
                    ) -> None:
     """Call every callback's :meth:`Callback.on_exception`; a hook that fails is logged,
     never raised: the fit's own ``error`` is the one to propagate."""
@@ -166,7 +192,7 @@ class EarlyStopping(_Plateau):
         super().__init__(monitor, mode, min_delta, patience)
         self.stopped_epoch: int | None = None
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: RunningTrainer, record: dict[str, Any]) -> None:
         if not self._improved(record) and self.wait >= self.patience:
             trainer.stop_training = True
             self.stopped_epoch = int(record["epoch"])
@@ -200,7 +226,7 @@ class ReduceLROnPlateau(_Plateau):
         self.factor, self.min_factor = factor, min_factor
         self.lr_factor = 1.0
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: RunningTrainer, record: dict[str, Any]) -> None:
         if self._improved(record) or self.wait < self.patience:
             return
         self.wait = 0
@@ -253,7 +279,7 @@ class ModelCheckpoint(_Plateau):
         self.kept: list[str] = []
         self.storage_options = check_storage_options(storage_options)
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: RunningTrainer, record: dict[str, Any]) -> None:
         if self.keep_last:
             path = join(self.directory, f"epoch-{int(record['epoch']):04d}.pt")
             trainer.save(path, storage_options=self.storage_options)

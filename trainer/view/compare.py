@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -13,6 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dasktrain.trainer.driver.files import write_atomically
+from dasktrain.trainer.view.history import History
 from dasktrain.trainer.view.plots import (
     _empty,
     _figure,
@@ -22,16 +22,11 @@ from dasktrain.trainer.view.plots import (
     png_bytes,
 )
 
-if TYPE_CHECKING:
-    from dasktrain.trainer.view.history import History
-
 __all__ = ["compare"]
 
 
 def _labelled(histories: Mapping[str, History] | Sequence[History]
               ) -> list[tuple[str, History]]:
-    from dasktrain.trainer.view.history import History
-
     if isinstance(histories, Mapping):
         runs = [(str(name), h) for name, h in histories.items()]
     elif isinstance(histories, Sequence) and not isinstance(histories, str | bytes):

@@ -158,6 +158,7 @@ class History:
         ``"staleness"``, ``"contributors"``, ``"workers"`` (data stall and samples/s per
         worker per epoch) or ``"events"``. ``fig.savefig("x.png")`` writes it.
         """
+        # Here, not at the top: matplotlib loads with the first figure, not with dasktrain.
         from dasktrain.trainer.view.plots import figure
 
         return figure(self, kind)

@@ -1,5 +1,7 @@
-"""Figures of a :class:`History`: loss, epoch metrics, staleness, contributors, workers,
-events (:mod:`dasktrain.trainer.view.compare` puts several runs on the same axes).
+"""Figures of a run (a :class:`History`, read as a
+:class:`~dasktrain.trainer.view.run_record.RunRecord`): loss, epoch metrics, staleness,
+contributors, workers, events (:mod:`dasktrain.trainer.view.compare` puts several runs on the
+same axes).
 
 Figures are built as :class:`matplotlib.figure.Figure` objects, never through pyplot's
 global state: no display or GUI toolkit is needed (PNGs are drawn by Agg), nothing
@@ -15,15 +17,14 @@ import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, MaxNLocator
 
-if TYPE_CHECKING:
-    from dasktrain.trainer.view.history import History
+from dasktrain.trainer.view.run_record import RunRecord
 
 __all__ = ["FIGURES", "KINDS", "event_kind", "event_versions", "figure", "metric_names",
            "png_bytes"]
@@ -101,7 +102,7 @@ def _log_scale_if_wide(ax: Axes, values: Sequence[float]) -> None:
         ax.set_yscale("log")
 
 
-def _loss_panel(ax: Axes, history: History, by: str) -> None:
+def _loss_panel(ax: Axes, history: RunRecord, by: str) -> None:
     if not history.loss:
         _empty(ax, "no update recorded")
         return
@@ -123,7 +124,7 @@ def _loss_panel(ax: Axes, history: History, by: str) -> None:
     ax.legend(loc="upper right", fontsize="small")
 
 
-def metric_names(history: History) -> list[str]:
+def metric_names(history: RunRecord) -> list[str]:
     """Metrics recorded per epoch (training or validation), the loss first."""
     names: dict[str, None] = {}
     for record in history.epochs:
@@ -132,7 +133,7 @@ def metric_names(history: History) -> list[str]:
     return sorted(names, key=lambda n: (n != "loss", n))
 
 
-def _metric_panel(ax: Axes, history: History, name: str) -> None:
+def _metric_panel(ax: Axes, history: RunRecord, name: str) -> None:
     drawn = False
     for where, marker in (("train", "o"), ("validation", "s")):
         points = [(r["epoch"], float(r[where][name])) for r in history.epochs
@@ -150,7 +151,7 @@ def _metric_panel(ax: Axes, history: History, name: str) -> None:
     ax.legend(fontsize="small")
 
 
-def _staleness_panel(ax: Axes, history: History) -> None:
+def _staleness_panel(ax: Axes, history: RunRecord) -> None:
     if not history.staleness:
         _empty(ax, "no gradient recorded")
         return
@@ -174,7 +175,7 @@ def _staleness_panel(ax: Axes, history: History) -> None:
     ax.legend(fontsize="small")
 
 
-def _contributors_panel(ax: Axes, history: History) -> None:
+def _contributors_panel(ax: Axes, history: RunRecord) -> None:
     if not history.contributors:
         _empty(ax, "no update recorded")
         return
@@ -186,7 +187,7 @@ def _contributors_panel(ax: Axes, history: History) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _contributor_counts_panel(ax: Axes, history: History) -> None:
+def _contributor_counts_panel(ax: Axes, history: RunRecord) -> None:
     if not history.contributors:
         _empty(ax, "no update recorded")
         return
@@ -201,7 +202,7 @@ def _contributor_counts_panel(ax: Axes, history: History) -> None:
     ax.set_xlim(-0.6, max(top, 4) + 0.6)
 
 
-def _worker_panel(ax: Axes, history: History, field: str) -> None:
+def _worker_panel(ax: Axes, history: RunRecord, field: str) -> None:
     """``field`` (``stall`` or ``samples_per_s``) per worker per epoch."""
     per_worker: dict[int, list[tuple[int, float]]] = {}
     for record in history.epochs:
@@ -233,7 +234,7 @@ def _worker_panel(ax: Axes, history: History, field: str) -> None:
     ax.legend(fontsize="small")
 
 
-def event_versions(history: History) -> list[tuple[int, str]]:
+def event_versions(history: RunRecord) -> list[tuple[int, str]]:
     """The events the holder stamped with its version (``"v12: worker 1 dropped: ..."``)."""
     found = []
     for event in history.events:
@@ -249,7 +250,7 @@ def event_kind(text: str) -> str:
     return next((kind for word, kind in _EVENT_KINDS if word in lowered), "other")
 
 
-def _events_panel(ax: Axes, history: History) -> None:
+def _events_panel(ax: Axes, history: RunRecord) -> None:
     events = event_versions(history)
     if not events:
         _empty(ax, "no event recorded")
@@ -274,14 +275,14 @@ def _figure(height: float, rows: int = 1, cols: int = 1) -> tuple[Figure, np.nda
     return fig, axes.ravel()
 
 
-def loss_figure(history: History) -> Figure:
+def loss_figure(history: RunRecord) -> Figure:
     fig, (by_update, by_time) = _figure(3.8, 1, 2)
     _loss_panel(by_update, history, "update")
     _loss_panel(by_time, history, "time")
     return fig
 
 
-def metrics_figure(history: History) -> Figure:
+def metrics_figure(history: RunRecord) -> Figure:
     names = metric_names(history)[:_MAX_METRICS]
     if not names:
         fig, (ax,) = _figure(2.5)
@@ -297,34 +298,34 @@ def metrics_figure(history: History) -> Figure:
     return fig
 
 
-def staleness_figure(history: History) -> Figure:
+def staleness_figure(history: RunRecord) -> Figure:
     fig, (ax,) = _figure(3.6)
     _staleness_panel(ax, history)
     return fig
 
 
-def contributors_figure(history: History) -> Figure:
+def contributors_figure(history: RunRecord) -> Figure:
     fig, (over_time, counts) = _figure(3.6, 1, 2)
     _contributors_panel(over_time, history)
     _contributor_counts_panel(counts, history)
     return fig
 
 
-def workers_figure(history: History) -> Figure:
+def workers_figure(history: RunRecord) -> Figure:
     fig, (stall, throughput) = _figure(3.8, 1, 2)
     _worker_panel(stall, history, "stall")
     _worker_panel(throughput, history, "samples_per_s")
     return fig
 
 
-def events_figure(history: History) -> Figure:
+def events_figure(history: RunRecord) -> Figure:
     kinds = {event_kind(text) for _, text in event_versions(history)}
     fig, (ax,) = _figure(1.2 + 0.45 * max(len(kinds), 1))
     _events_panel(ax, history)
     return fig
 
 
-def overview_figure(history: History) -> Figure:
+def overview_figure(history: RunRecord) -> Figure:
     """Loss by update and by time, the first epoch metric, and staleness: one glance."""
     fig, axes = _figure(7.2, 2, 2)
     _loss_panel(axes[0], history, "update")
@@ -339,7 +340,7 @@ def overview_figure(history: History) -> Figure:
     return fig
 
 
-FIGURES: dict[str, tuple[Callable[[History], Figure], str]] = {
+FIGURES: dict[str, tuple[Callable[[RunRecord], Figure], str]] = {
     "loss": (loss_figure, "Training loss (per update, faint, and its moving mean) by update "
                           "and by wall time (gaps: pauses between epochs); red lines mark "
                           "the holder's events."),
@@ -356,7 +357,7 @@ FIGURES: dict[str, tuple[Callable[[History], Figure], str]] = {
 KINDS = ("overview", *FIGURES)
 
 
-def figure(history: History, kind: str = "overview") -> Figure:
+def figure(history: RunRecord, kind: str = "overview") -> Figure:
     """The figure ``kind`` (one of :data:`KINDS`) of ``history``."""
     if kind == "overview":
         fig = overview_figure(history)

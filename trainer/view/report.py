@@ -14,13 +14,11 @@ import html
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dasktrain.trainer.driver.files import write_atomically
 from dasktrain.trainer.view.plots import FIGURES, event_versions, metric_names, png_bytes
-
-if TYPE_CHECKING:
-    from dasktrain.trainer.view.history import History
+from dasktrain.trainer.view.run_record import RunRecord
 
 __all__ = ["PAGE", "summary_rows", "write_report"]
 
@@ -40,7 +38,7 @@ def format_number(value: Any) -> str:
     return str(value)
 
 
-def summary_rows(history: History) -> list[tuple[str, Any]]:
+def summary_rows(history: RunRecord) -> list[tuple[str, Any]]:
     """The summary table's rows, (label, value), in page order."""
     summary = history.summary()
     last = history.epochs[-1] if history.epochs else {}
@@ -68,7 +66,7 @@ def summary_rows(history: History) -> list[tuple[str, Any]]:
     return rows
 
 
-def write_report(history: History, path: str | os.PathLike) -> Path:
+def write_report(history: RunRecord, path: str | os.PathLike) -> Path:
     """Write ``history``'s figures (``loss.png``, ``metrics.png``, ...) and ``index.html``
     into the directory ``path`` (created if missing); returns the page's path."""
     directory = Path(path)
@@ -88,7 +86,7 @@ def write_report(history: History, path: str | os.PathLike) -> Path:
     return write_atomically(directory / PAGE, page)
 
 
-def _page(history: History, figures: list[tuple[str, str, bytes]]) -> str:
+def _page(history: RunRecord, figures: list[tuple[str, str, bytes]]) -> str:
     title = f"dasktrain run: {history.mode or 'run'}, {history.workers} worker(s)"
     made = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     parts = [_HEAD.replace("{title}", html.escape(title)),
@@ -114,7 +112,7 @@ def _page(history: History, figures: list[tuple[str, str, bytes]]) -> str:
     return "\n".join(parts)
 
 
-def _epochs_table(history: History) -> str:
+def _epochs_table(history: RunRecord) -> str:
     if not history.epochs:
         return "<h2>Epochs</h2><p>No epoch completed.</p>"
     train = [n for n in metric_names(history)
@@ -136,7 +134,7 @@ def _epochs_table(history: History) -> str:
     return "\n".join(rows)
 
 
-def _events_list(history: History) -> str:
+def _events_list(history: RunRecord) -> str:
     out = ['<h2>Events</h2>']
     if history.refused_gradients:
         out.append(f"<p>{history.refused_gradients} gradient(s) refused "

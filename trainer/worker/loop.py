@@ -25,9 +25,10 @@ from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.exchange.buckets import GradientReadiness
+from dasktrain.trainer.exchange.client import OutgoingPush
 from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.exchange.sharded import ShardedHandle, open_handle
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.holder.shards import ShardedHandle, open_handle
 from dasktrain.trainer.modes import mode_class, worker_step_class
 from dasktrain.trainer.worker.compute import BatchCompute, LossScale, MetricTotals, batch_size_of
 from dasktrain.trainer.worker.notices import (
@@ -203,7 +204,8 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
         compute += t1 - t0
         if outgoing is not None:  # send the rest
             future = outgoing.finish()
-            in_buckets += 1
+            # A push begun after a fall back to the actor goes whole (see begin_push).
+            in_buckets += isinstance(outgoing, OutgoingPush)
         elif push is None:  # a local step: nothing to exchange yet
             batch = take(step + 1) if step + 1 < steps else None
             continue

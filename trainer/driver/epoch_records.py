@@ -1,0 +1,53 @@
+"""An epoch's entry of ``History.epochs``, from the reports of the workers that ran it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from dasktrain.trainer.worker.compute import MetricTotals
+
+__all__ = ["epoch_record", "merged_metrics"]
+
+
+def merged_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """The epoch's training metrics over every worker's batches (sample-weighted means)."""
+    totals = MetricTotals()
+    for report in reports:
+        totals.merge(report.get("metrics") or {})
+    return totals.means()
+
+
+def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """What epoch ``epoch`` did, over ``wall`` seconds, by the workers' ``reports``."""
+    samples = sum(r["samples"] for r in reports)
+    return {
+        "epoch": epoch,
+        "wall_s": wall,
+        "samples": samples,
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "stall": float(np.mean([r["stall"] for r in reports])) if reports else None,
+        "exchange_s": float(np.mean([r["exchange_s"] for r in reports]))
+        if reports else None,
+        "workers_finished": len(reports),
+        # How each worker reached the holder: in its process, direct channel, actor.
+        "exchange_via": dict(Counter(r["exchange_via"] for r in reports)),
+        "train": merged_metrics(reports),
+        # Batches whose loss was not finite (on_nonfinite="skip"): refused by the
+        # holder, and left out of "train" so that one bad batch cannot make it NaN.
+        "skipped_steps": sum(int(r.get("skipped_nonfinite", 0)) for r in reports),
+        # Per worker, so a report can show which replica waited on data or lagged.
+        "per_worker": [
+            {"worker": int(r["worker"]), "samples": int(r["samples"]),
+             "stall": float(r["stall"]),
+             "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
+             # Of the stall, the wait for the epoch's first batch (the pipeline starting).
+             "first_batch_s": float(r.get("first_batch_s", 0.0)),
+             # "shared", "local" or "tcp" over the direct channel; None without one.
+             "transport": r.get("transport"),
+             # Pushes sent bucket by bucket during backward (direct channel only).
+             "pushes_in_buckets": int(r.get("pushes_in_buckets", 0))}
+            for r in sorted(reports, key=lambda r: r["worker"])],
+    }
