@@ -15,6 +15,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ from distributed import Client, LocalCluster, default_client
 
 from dasktrain import _embedded_worker
 from dasktrain._malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
+from dasktrain.errors import DasktrainError
 
 __all__ = [
     "MAX_LOCAL_WORKERS",
@@ -260,6 +262,9 @@ def start_local_cluster(n_workers: int | None = None,
     (Ctrl-C): this process handles them and closes the cluster (see
     :mod:`dasktrain._embedded_worker`).
     """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # A worker process re-running a script's top level as it starts (spawn).
+        raise DasktrainError(_UNGUARDED_SCRIPT)
     options = default_local_cluster_options(n_workers, memory_limit)
     configured = dask.config.get("distributed.worker.preload", None) or []
     options["preload"] = [*([configured] if isinstance(configured, str) else configured),
@@ -273,7 +278,32 @@ def start_local_cluster(n_workers: int | None = None,
             # The nannies read the environment as they are made, within this call.
             return LocalCluster(**options)
 
-    return _with_terminal_signals_blocked(start)
+    try:
+        return _with_terminal_signals_blocked(start)
+    except RuntimeError as exc:
+        if _unguarded_script():
+            raise DasktrainError(f"the embedded cluster's workers failed to start "
+                                 f"({exc}): {_UNGUARDED_SCRIPT}") from exc
+        raise
+
+
+_UNGUARDED_SCRIPT = (
+    "a script that uses dasktrain's embedded cluster must keep its work under "
+    "`if __name__ == \"__main__\":` (each worker process starts by importing the script, "
+    "as for any multiprocessing program)")
+
+
+def _unguarded_script() -> bool:
+    """Whether ``__main__`` is a script run as a file without a main guard (roughly)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return False
+    try:
+        with open(path, encoding="utf-8") as source:
+            return "__main__" not in source.read()
+    except OSError:
+        return False
 
 
 def _with_terminal_signals_blocked(start: Callable[[], LocalCluster]) -> LocalCluster:

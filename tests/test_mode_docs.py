@@ -38,7 +38,7 @@ def bounded(monkeypatch):
     sys.modules.pop("bounded_example", None)
 
 
-def test_the_readme_example_mode_applies_fresh_gradients_and_drops_stale_ones(bounded):
+def test_the_documented_example_mode_applies_fresh_gradients_and_drops_stale_ones(bounded):
     async def scenario():
         config = zeros_holder(3, workers=2, mode="bounded")
         config.mode_options = {"max_staleness": 1}
@@ -64,8 +64,26 @@ def test_the_readme_example_mode_applies_fresh_gradients_and_drops_stale_ones(bo
     assert records["gradients"] == [1, 1, 1, 1, 2]
 
 
-def test_the_readme_example_mode_refuses_bad_options(bounded):
+def test_the_documented_example_mode_refuses_bad_options(bounded):
     with pytest.raises(ValueError, match="max_staleness"):
         modes.mode_class("bounded").check(2, {"max_staleness": -1})
     with pytest.raises(ValueError, match="takes no option"):
         modes.mode_class("bounded").check(2, {"staleness_bound": 1})
+
+
+def test_the_documented_optimizer_trains_as_written(client, regression):
+    """docs/modes.md's SignSGD, run as written (with a small model and loss for its ``net``
+    and ``loss``), trains on the cluster with the holder in another process."""
+    import torch
+
+    import dasktrain as dt
+    from tests.common.training import flat_parameters, mlp, mse
+
+    text = README.read_text()
+    found = re.search(r"```python\n(class SignSGD.*?)```", text, re.S)
+    assert found, "docs/modes.md lost its example optimizer"
+    namespace = {"torch": torch, "dt": dt, "net": mlp, "loss": mse}
+    exec(compile(found.group(1), "docs/modes.md (example optimizer)", "exec"), namespace)
+    trainer = namespace["trainer"]
+    trainer.fit(regression, epochs=1, client=client)
+    assert (flat_parameters(trainer.model) - flat_parameters(mlp())).abs().max() > 1e-3

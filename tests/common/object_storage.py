@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import urllib.request
 
 import pytest
 
@@ -48,6 +49,10 @@ def s3_server():
     server.start()
     try:
         host, port = server.get_host_and_port()
+        # moto keeps its buckets in process-wide state, which a server started by another
+        # module of this session still holds: start from an empty store.
+        reset = urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
+        urllib.request.urlopen(reset, timeout=10).close()
         options = {"endpoint_url": f"http://{host}:{port}", "key": "testing",
                    "secret": "testing"}
         fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
