@@ -8,6 +8,7 @@ where Python sees them.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,3 +35,19 @@ def _link_files(source: Path, target: Path) -> None:
         link = target / path.relative_to(source)
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(path)
+
+
+# Docstrings cross-reference in the reST style of the scientific Python stack
+# (:class:`~dasktrain.Trainer`), which the Markdown renderer shows as written: keep the name,
+# shortened after a ``~`` as reST does, and drop the role.
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):<code>(~?)([^<]*)</code>")
+
+
+def _name(match: re.Match) -> str:
+    shortened, name = match.group(1), match.group(2)
+    return f"<code>{name.rsplit('.', 1)[-1] if shortened else name}</code>"
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    return _ROLE.sub(_name, html)
+
