@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dasktrain.datasets.format import DEFAULT_CHUNK_BYTES, parse_size
+from dasktrain.datasets.sources.base import SourceSettings
 from dasktrain.datasets.splits import parse_splits
 
 __all__ = ["COMPRESSIONS", "PrepareConfig"]
@@ -13,23 +14,15 @@ COMPRESSIONS = ("zstd", "blosc", "none")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class PrepareConfig:
-    """How :func:`dasktrain.prepare` builds a dataset."""
+class PrepareConfig(SourceSettings):
+    """How :func:`dasktrain.prepare` builds a dataset.
 
-    features: list[str] | None = None
-    """Feature columns or array name; default: every column but the target / autodetect."""
-    target: str | None = None
-    """Target column, npz array name, or ``.npy`` path of targets."""
-    encode_categorical: bool = False
-    """Encode non-numeric columns as integer codes instead of refusing them."""
-    samples: int | None = None
-    """Size of a synthetic dataset."""
-    width: int | None = None
-    """Number of features of a synthetic dataset."""
-    classes: int | None = None
-    """Number of classes of ``classification``."""
-    noise: float | None = None
-    """Noise level of a synthetic dataset."""
+    The fields that choose what is read from the source (``features``, ``target``,
+    ``encode_categorical``, ``samples``, ``width``, ``classes``, ``noise``, ``seed``) are
+    declared once, on :class:`~dasktrain.datasets.sources.base.SourceSettings`, and
+    inherited; the ones below say how the dataset is written.
+    """
+
     chunk_rows: int | None = None
     """Samples per chunk; default: as many as fit in ``chunk_size``."""
     chunk_size: str | int = DEFAULT_CHUNK_BYTES
@@ -38,8 +31,6 @@ class PrepareConfig:
     """Standardise features with the mean and std of the first split (train)."""
     split: str | dict[str, float] | None = None
     """Named random splits, e.g. ``"train=0.9,val=0.1"``; sizes are exact."""
-    seed: int = 0
-    """Seed of the split assignment and of synthetic generators."""
     compression: str = "zstd"
     """Chunk codec: ``zstd``, ``blosc`` (zstd inside, byte-shuffled) or ``none``."""
     overwrite: bool = False

@@ -18,11 +18,15 @@ A task handles a run of consecutive chunks (:func:`plan_tasks`, ~32 MiB), one at
 every output chunk is written by exactly one task, so no two tasks ever write the same chunk.
 Where the source has a :data:`BlockReader` (files, generators), a task reads its own rows:
 no task per source block and no copy of the rows between workers.
+
+Here: the public :func:`prepare` and the attributes a build records. The passes are
+:mod:`~dasktrain.datasets.one_pass` and :mod:`~dasktrain.datasets.two_pass`, the tasks they
+run on the workers :mod:`~dasktrain.datasets.write_tasks`, and cutting work into tasks and
+running them :mod:`~dasktrain.datasets.build_tasks`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime
 import functools
@@ -33,250 +37,32 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import dask
 import numpy as np
 import zarr
 from distributed import Client
-from zarr.core.sync import sync as zarr_sync
-from zarr.storage import FsspecStore, StoreLike
+from zarr.storage import StoreLike
 
 from dasktrain._cluster import cluster_client
 from dasktrain._durable import StorageOptions, is_url, local_path, strip_url
-from dasktrain._malloc import tune_allocator
-from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.atomic import StagedDirectory, check_output_path
-from dasktrain.datasets.chunks import MANIFEST_KEY, Written, manifest_of, record_writes
+from dasktrain.datasets.build_tasks import TASK_BYTES, plan_tasks
+from dasktrain.datasets.chunks import MANIFEST_KEY, manifest_of
 from dasktrain.datasets.cleaning import warn_about_cleaning
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
-from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.errors import DatasetError
 from dasktrain.datasets.format import FORMAT_VERSION, chunk_rows_for, row_bytes
+from dasktrain.datasets.one_pass import write_direct
 from dasktrain.datasets.remote import StagedPrefix, check_output_url
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
-from dasktrain.datasets.sources.base import BlockReader
+from dasktrain.datasets.sources.base import source_settings
 from dasktrain.datasets.splits import SplitPlan
-from dasktrain.datasets.stats import Moments, Summary, merge_all, summary_of
+from dasktrain.datasets.stats import merge_all
+from dasktrain.datasets.two_pass import write_staged
 
 __all__ = ["TASK_BYTES", "plan_tasks", "prepare"]
 
 logger = logging.getLogger(__name__)
-
-
-#: Work per task: one task writes consecutive chunks up to about this many bytes (~100 ms
-#: of reading, summarising and compressing), so that the scheduler's and workers' cost per
-#: task stays small next to the work (a 4 MiB chunk alone is ~10 ms of it).
-TASK_BYTES = 32 * 2**20
-
-
-def plan_tasks(num_chunks: int, chunk_bytes: int, parallelism: int,
-               task_bytes: int = TASK_BYTES) -> list[range]:
-    """Group chunks ``0 .. num_chunks - 1`` into tasks of consecutive chunks.
-
-    Each task gets about ``task_bytes`` of chunks, but there are at least ``parallelism``
-    tasks (while there are chunks enough) and, where the chunks allow, a multiple of it,
-    group sizes differing by at most one: no slot waits idle for a last, lone task.
-    """
-    if num_chunks <= 0:
-        return []
-    per_task = max(1, task_bytes // max(chunk_bytes, 1))
-    parallelism = max(1, parallelism)
-    tasks = -(-num_chunks // per_task)
-    tasks = min(num_chunks, -(-tasks // parallelism) * parallelism)
-    size, extra = divmod(num_chunks, tasks)
-    groups, first = [], 0
-    for t in range(tasks):
-        last = first + size + (t < extra)
-        groups.append(range(first, last))
-        first = last
-    return groups
-
-
-def _compressors(name: str) -> Any:
-    if name == "zstd":
-        return zarr.codecs.ZstdCodec(level=3, checksum=True)
-    if name == "blosc":
-        return zarr.codecs.BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
-    return None
-
-
-def _create_arrays(group: zarr.Group, source: Source, num_samples: int, chunk_rows: int,
-                   compression: str) -> dict[str, zarr.Array]:
-    return {
-        name: group.create_array(
-            name, shape=(num_samples, *spec.sample_shape), dtype=spec.dtype,
-            chunks=(min(chunk_rows, max(num_samples, 1)), *spec.sample_shape),
-            compressors=_compressors(compression), fill_value=0,
-            # Every chunk is stored, zeros too: a chunk that is not there is then damage,
-            # never a chunk of fill values (see dasktrain.datasets.chunks).
-            config={"write_empty_chunks": True},
-        )
-        for name, spec in source.specs.items()
-    }
-
-
-# -- tasks (run on workers) -------------------------------------------------------------------
-def _finite_rows(blocks: dict[str, np.ndarray]) -> np.ndarray:
-    keep = np.ones(len(next(iter(blocks.values()))), dtype=bool)
-    for block in blocks.values():
-        if block.dtype.kind == "f":
-            keep &= np.isfinite(block.reshape(len(block), -1)).all(axis=1)
-    return keep
-
-
-def _still_wanted(arrays: dict[str, zarr.Array]) -> None:
-    """Refuse to write into a build that was abandoned (cancelled, interrupted, discarded):
-    a task already running when the build was cancelled must not recreate its directory."""
-    store = next(iter(arrays.values())).store
-    if isinstance(store, FsspecStore):
-        # The build's group metadata is written first and deleted with the build.
-        try:
-            zarr.open_group(store, mode="r", zarr_format=3)
-            return
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError):
-            pass
-        # Raised outside the handler: zarr's error as its context would not unpickle on
-        # the client, which would then get a bare Exception instead.
-        raise OSError(f"build {store.fs.protocol}://{store.path} is gone or cannot be seen "
-                      "from this worker: the preparation was abandoned, or the output is "
-                      "storage this worker cannot reach (memory:// is per process)")
-    root = getattr(store, "root", None)
-    if root is not None and not os.path.isdir(root):
-        raise RuntimeError(f"build directory {root} is gone; the preparation was abandoned")
-
-
-def _rows(names: list[str], reader: BlockReader | None, start: int, stop: int,
-          blocks: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
-    """A chunk's rows of every array: read here, or handed over as the source's blocks."""
-    if reader is not None:
-        return reader(start, stop)
-    return {name: np.asarray(block) for name, block in zip(names, blocks, strict=True)}
-
-
-def _all_finite(summary: Summary) -> bool:
-    # Integer arrays (class counts) cannot hold NaN or infinities.
-    return not isinstance(summary, Moments) or summary.finite
-
-
-def _write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_finite: bool,
-                ranges: list[tuple[int, int]], *blocks: np.ndarray
-                ) -> tuple[dict[str, Summary], Written] | None:
-    """One pass: write the source's rows as they are, chunk by chunk (``ranges``, with the
-    source's blocks of each chunk in ``blocks`` where there is no reader), returning the
-    statistics of all of them and the chunks stored.
-
-    With ``require_finite``, a chunk holding NaN or infinities is not written and None is
-    returned: the caller then falls back to the cleaning (two-pass) build. The statistics
-    are computed first because they tell that for free.
-    """
-    names = list(out)
-    stored, log = record_writes(out)  # out stays: _still_wanted looks at its store
-    total: dict[str, Summary] | None = None
-    for k, (start, stop) in enumerate(ranges):
-        _still_wanted(out)  # per chunk: an abandoned build stops within one chunk's time
-        rows = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
-        summaries = {name: summary_of(block) for name, block in rows.items()}
-        if require_finite and not all(_all_finite(s) for s in summaries.values()):
-            return None
-        _write_together(stored, slice(start, stop), rows)
-        total = summaries if total is None else {
-            name: total[name].merge(summaries[name]) for name in names}
-    assert total is not None, "a task writes at least one chunk"
-    return total, log.written()
-
-
-def _write_together(out: dict[str, zarr.Array], rows: slice, blocks: dict[str, np.ndarray]
-                    ) -> None:
-    """Write the same rows of every array in one batch: one hand-over to zarr's event loop
-    instead of one per array, and the arrays compressed side by side."""
-    async def write_all() -> None:
-        await asyncio.gather(*(out[name].async_array.setitem(rows, block)
-                               for name, block in blocks.items()))
-
-    zarr_sync(write_all())
-
-
-def _stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str | None,
-                  clean: bool, reader: BlockReader | None, ranges: list[tuple[int, int]],
-                  plan: SplitPlan | None, *blocks: np.ndarray
-                  ) -> list[tuple[np.ndarray, Moments | None]]:
-    """First pass, chunk by chunk (``ranges``; the source's blocks of each in ``blocks``
-    where there is no reader): drop non-finite rows, group the rest by split into the
-    scratch arrays, and return per chunk the rows of each split and the moments of the
-    rows normalisation is fitted on."""
-    names = list(scratch)
-    staged = []
-    for k, (start, stop) in enumerate(ranges):
-        _still_wanted(scratch)
-        named = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
-        n = stop - start
-        keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
-        ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
-        rows = np.flatnonzero(keep)
-        rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, order kept
-        grouped = {name: block[rows] for name, block in named.items()}
-        _write_together(scratch, slice(start, start + len(rows)), grouped)
-        counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
-        fit = None
-        if fit_name is not None:
-            # The rows of a split are a contiguous run of the grouped rows: a view, no copy.
-            first = int(counts[:fit_split].sum())
-            fit = Moments.of(grouped[fit_name][first : first + int(counts[fit_split])])
-        staged.append((counts, fit))
-    return staged
-
-
-def _write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],
-                  chunks: list[tuple[int, list[tuple[int, int]]]]
-                  ) -> tuple[dict[str, Summary], Written]:
-    """Second pass: write output chunks, each ``(start, pieces)``: its rows gathered from
-    the scratch arrays ``sources`` by ``pieces`` (row ranges) and normalised. Returns the
-    statistics of all of them and the chunks stored."""
-    stored, log = record_writes(out)  # out stays: _still_wanted looks at its store
-    total: dict[str, Summary] | None = None
-    for start, pieces in chunks:
-        _still_wanted(out)
-        blocks = {}
-        for (name, target), source in zip(out.items(), sources, strict=True):
-            block = np.concatenate([source[a:b] for a, b in pieces]).astype(
-                target.dtype, copy=False)
-            if name in norm:  # in place: the block is this task's own copy
-                mean, std = norm[name]
-                block -= mean
-                block /= std
-            blocks[name] = block
-        _write_together(stored, slice(start, start + len(next(iter(blocks.values())))), blocks)
-        summaries = {name: summary_of(block) for name, block in blocks.items()}
-        total = summaries if total is None else {
-            name: total[name].merge(summaries[name]) for name in summaries}
-    assert total is not None, "a task writes at least one chunk"
-    return total, log.written()
-
-
-# -- orchestration (runs on the client) -------------------------------------------------------
-def _layout(counts: np.ndarray, starts: list[int], chunk_rows: int) -> list[list[tuple[int, int]]]:
-    """Scratch row ranges that make up each output chunk.
-
-    ``counts[i, s]`` rows of split ``s`` sit in scratch chunk ``i`` after the rows of the
-    splits before it; the output holds split 0 of every chunk in order, then split 1, ...
-    """
-    runs = []
-    for s in range(counts.shape[1]):
-        for i, start in enumerate(starts):
-            if counts[i, s]:
-                a = start + int(counts[i, :s].sum())
-                runs.append((a, a + int(counts[i, s])))
-    chunks: list[list[tuple[int, int]]] = [[]]
-    room = chunk_rows
-    for a, b in runs:
-        while a < b:
-            if room == 0:
-                chunks.append([])
-                room = chunk_rows
-            take = min(room, b - a)
-            chunks[-1].append((a, a + take))
-            a += take
-            room -= take
-    return [c for c in chunks if c]
 
 
 @functools.cache
@@ -311,130 +97,6 @@ def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None)
     return True
 
 
-def _parallelism(client: Client) -> int:
-    """Tasks the cluster runs at once (its worker threads), at least one."""
-    return max(1, sum(client.nthreads().values()))
-
-
-def _tuned(task: Any, *args: Any) -> Any:
-    """``task(*args)`` in a worker whose allocator thresholds are set (see
-    :mod:`dasktrain._malloc`): chunk-sized buffers are then reused, not mapped afresh."""
-    tune_allocator()
-    return task(*args)
-
-
-def _run(client: Client, task: Any, args: list[tuple], blocks: list[list] | None, desc: str,
-         progress: bool) -> list:
-    """Run ``task(*args[t], *blocks[t])`` for every t and gather the results in order.
-
-    Without source blocks (the task reads its rows itself) the tasks are submitted as they
-    are, in one message: no graph to build and optimise first (milliseconds a build).
-    """
-    task = functools.partial(_tuned, task)
-    if blocks is None:
-        futures = client.map(task, *zip(*args, strict=True), pure=False)
-    else:
-        futures = client.compute([dask.delayed(task, pure=False)(*a, *b)
-                                  for a, b in zip(args, blocks, strict=True)])
-    return gather_with_progress(client, futures, desc, progress)
-
-
-def _group_blocks(reader: BlockReader | None, blocks: list, groups: list[range]
-                  ) -> list[list] | None:
-    """Per task, the source's delayed blocks of its chunks (array by array within a chunk),
-    or None where the tasks read their rows themselves."""
-    if reader is not None:
-        return None
-    return [[b[i] for i in group for b in blocks] for group in groups]
-
-
-def _write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockReader | None,
-                  blocks: list, starts: list[int], lengths: list[int], chunk_rows: int,
-                  config: PrepareConfig, progress: bool) -> list | None:
-    """One pass: source chunk i becomes output chunk i. A source that may hold NaN/inf is
-    checked chunk by chunk; if any chunk does, the arrays are dropped and None returned."""
-    out = _create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
-    # Bound once, in a partial: dask would otherwise walk the arrays and the reader in the
-    # arguments of every task, looking for collections (milliseconds per task).
-    write = functools.partial(_write_rows, out, reader, not src.known_finite)
-    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in src.specs.values()])
-    groups = plan_tasks(len(starts), chunk_bytes, _parallelism(client))
-    results = _run(client, write,
-                   [([(starts[i], starts[i] + lengths[i]) for i in group],) for group in groups],
-                   _group_blocks(reader, blocks, groups), "writing", progress)
-    if all(r is not None for r in results):
-        return results
-    logger.info("source holds NaN or infinite values: cleaning in two passes")
-    for name in out:
-        del root[name]
-    return None
-
-
-def _write_staged(client: Client, source: str, src: Source, root: zarr.Group,
-                  reader: BlockReader | None, blocks: list,
-                  starts: list[int], lengths: list[int], chunk_rows: int, scratch_store: StoreLike,
-                  plan: SplitPlan | None, config: PrepareConfig, progress: bool
-                  ) -> tuple[list, np.ndarray, dict | None]:
-    """Two passes through a scratch Zarr: clean and group rows by split, then write."""
-    specs = src.specs
-    names = list(specs)
-    scratch_root = zarr.open_group(scratch_store, mode="w")
-    scratch = {
-        name: scratch_root.create_array(
-            name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
-            chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0,
-            # Chunk files side by side, not a directory each: fewer to make and remove.
-            chunk_key_encoding={"name": "default", "separator": "."})
-        for name, spec in specs.items()
-    }
-    features = [n for n in names if specs[n].role == "features"]
-    fit_name = features[0] if config.normalize and features else None
-    stage = functools.partial(_stage_chunks, scratch, 0, fit_name, not src.known_finite, reader)
-    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in specs.values()])
-    parallelism = _parallelism(client)
-    groups = plan_tasks(len(starts), chunk_bytes, parallelism)
-    args = []
-    for group in groups:
-        first, last = group[0], group[-1]
-        args.append(([(starts[i], starts[i] + lengths[i]) for i in group],
-                     plan.slice_for(starts[first], starts[last] + lengths[last]) if plan
-                     else None))
-    staged = [chunk for task in _run(client, stage, args, _group_blocks(reader, blocks, groups),
-                                     "staging", progress) for chunk in task]
-    counts = np.stack([c for c, _ in staged])
-    num_samples = int(counts.sum())
-    if num_samples == 0:
-        raise SourceError(f"source {source!r} has no finite rows: all {src.num_samples} dropped")
-    if plan is not None:
-        empty = [name for name, size in zip(plan.names, counts.sum(axis=0), strict=True)
-                 if size == 0]
-        if empty:
-            raise SourceError(
-                f"split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} would be "
-                f"empty with {num_samples} samples; use larger fractions or more data"
-            )
-    norm, normalization = {}, None
-    if fit_name is not None:
-        fit = merge_all([m for _, m in staged])
-        # A constant feature is divided by 1, not by a std of 0 (or of rounding noise): it
-        # becomes 0, which the preparation warns about.
-        constant = fit.constant
-        std = np.where((fit.std > 0) & ~constant, fit.std, 1.0)
-        norm[fit_name] = (fit.mean.astype(np.float32), std.astype(np.float32))
-        normalization = {fit_name: {
-            "mean": fit.mean.tolist(), "std": std.tolist(), "count": fit.count,
-            "fitted_on": plan.names[0] if plan else "all",
-            "constant": np.flatnonzero(constant).tolist()}}
-    out = _create_arrays(root, src, num_samples, chunk_rows, config.compression)
-    scratch_list = [scratch[n] for n in names]
-    write = functools.partial(_write_chunks, out, scratch_list, norm)
-    layout = _layout(counts, starts, chunk_rows)
-    results = _run(client, write, [([(j * chunk_rows, layout[j]) for j in group],)
-                                   for group in plan_tasks(len(layout), chunk_bytes, parallelism)],
-                   None, "writing", progress)
-    return results, counts, normalization
-
-
 def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_store: StoreLike,
            config: PrepareConfig, progress: bool) -> dict[str, Any]:
     specs = src.specs
@@ -452,12 +114,12 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_s
 
     results = None
     if plan is None and not config.normalize:
-        results = _write_direct(client, src, root, reader, blocks, starts, lengths, chunk_rows,
-                                config, progress)
+        results = write_direct(client, src, root, reader, blocks, starts, lengths, chunk_rows,
+                               config, progress)
     normalization, splits = None, {}
     num_samples = src.num_samples
     if results is None:
-        results, counts, normalization = _write_staged(
+        results, counts, normalization = write_staged(
             client, source, src, root, reader, blocks, starts, lengths, chunk_rows,
             scratch_store, plan, config, progress)
         num_samples = int(counts.sum())
@@ -559,11 +221,8 @@ def prepare(
         staged = StagedDirectory(target)
     try:
         # The source checks its schema before a cluster starts: bad input fails fast.
-        source_options = SourceOptions(
-            features=config.features, target=config.target,
-            encode_categorical=config.encode_categorical, samples=config.samples,
-            width=config.width, classes=config.classes, noise=config.noise,
-            seed=config.seed, scratch_dir=staged.source_scratch)
+        source_options = SourceOptions(**source_settings(config),
+                                       scratch_dir=staged.source_scratch)
         src = get_source(source, source_options)
         with cluster_client(client, scheduler) as active:
             attrs = _build(active, os.fspath(source), src, staged.open_group(),

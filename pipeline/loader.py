@@ -1,108 +1,43 @@
 """``Pipeline``: batches planned on the consumer, produced by Dask tasks, prefetched with a
-bound, handed over as torch tensors."""
+bound, handed over as torch tensors.
+
+This module is the façade and the consumer's side of an epoch; the feeder thread that
+submits (:mod:`~dasktrain.pipeline.feeder`), the head start into the next epoch
+(:mod:`~dasktrain.pipeline.ahead`), submission (:mod:`~dasktrain.pipeline.submit`) and the
+hand-off of batches (:mod:`~dasktrain.pipeline.fetch`) live beside it.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import CancelledError
 from typing import Any
 
-import numpy as np
 import torch
 from dask.base import tokenize
-from distributed import Client, Future, get_client, get_worker, wait
-from distributed.client import FutureCancelledError
+from distributed import Client, get_client
 
-from dasktrain._cluster import embedded_client, worker_info
+from dasktrain._cluster import embedded_client
 from dasktrain.datasets import Dataset, open_dataset
+from dasktrain.pipeline.ahead import HeadStart
+from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
 from dasktrain.pipeline.errors import PipelineError
+from dasktrain.pipeline.feeder import Feeder
+from dasktrain.pipeline.fetch import Batch, Delivery, Tensors, unit_where
 from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit
 from dasktrain.pipeline.stats import PipelineStats
-from dasktrain.pipeline.tasks import (
-    ArraysRef,
-    BlockFailed,
-    EpochContext,
-    Transform,
-    assemble_batches,
-    load_unit,
-    load_window,
-)
+from dasktrain.pipeline.submit import PLACEMENTS, Submitter, placement_kwargs, release
+from dasktrain.pipeline.tasks import ArraysRef, Transform
 
 __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 
-Batch = tuple[torch.Tensor, torch.Tensor] | torch.Tensor | dict[str, torch.Tensor]
-_PLACEMENTS = ("auto", "anywhere", "local", "consumer")
 _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
                "shuffle_blocks", "block_rows", "drop_last")
-
-
-class _Budget:
-    """Rows of prefetch still free: a unit takes its window's rows until it is used up.
-
-    Counted in rows rather than units so that the small windows that start an epoch (see
-    :class:`~dasktrain.pipeline.plan.EpochPlan`) do not take a whole slot each."""
-
-    def __init__(self, rows: int) -> None:
-        self._free = rows
-        self._cond = threading.Condition()
-
-    def acquire(self, rows: int, timeout: float) -> bool:
-        with self._cond:
-            if self._free < rows:
-                self._cond.wait(timeout)
-            if self._free >= rows:
-                self._free -= rows
-                return True
-            return False
-
-    def release(self, rows: int) -> None:
-        with self._cond:
-            self._free += rows
-            self._cond.notify_all()
-
-
-def _release(future: Future | concurrent.futures.Future) -> None:
-    """Let go of a unit's result: a Dask future is released, a local one cancelled."""
-    if isinstance(future, Future):
-        future.release()
-    else:
-        future.cancel()
-
-
-def _unit_rows(plan: EpochPlan, unit: Unit) -> int:
-    span = plan.window_spans[unit.window]
-    return span.stop - span.start
-
-
-
-
-@dataclasses.dataclass
-class _Ahead:
-    """Units of the next epoch submitted while the current one finished."""
-
-    epoch: int
-    rank: int
-    world_size: int
-    submitted: list[tuple[Unit, Any]] = dataclasses.field(default_factory=list)
-    windows: dict[int, Future] = dataclasses.field(default_factory=dict)
-    rows: int = 0  # of the prefetch budget, held by the submitted units
-
-    def release(self) -> None:
-        for _, future in self.submitted:
-            _release(future)
-        for future in self.windows.values():
-            future.release()
-        self.submitted.clear()
-        self.windows.clear()
 
 
 class Pipeline:
@@ -208,8 +143,8 @@ class Pipeline:
              f"world_size must be >= 1, got {world_size!r}"),
             (isinstance(rank, int) and 0 <= rank < max(world_size, 1),
              f"rank must lie in [0, world_size={world_size}), got {rank!r}"),
-            (placement in _PLACEMENTS,
-             f"placement must be one of {_PLACEMENTS}, got {placement!r}"),
+            (placement in PLACEMENTS,
+             f"placement must be one of {PLACEMENTS}, got {placement!r}"),
             (timeout > 0, f"timeout must be positive, got {timeout!r}"),
             (transform is None or callable(transform), "transform must be callable"),
         ]
@@ -234,18 +169,20 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.placement = placement if placement != "auto" else \
             ("consumer" if transform is None else "anywhere")
-        self._here: concurrent.futures.ThreadPoolExecutor | None = None
+        # The read threads of placement="consumer"; made and shut down on the consumer's
+        # thread, used by the feeder of each epoch.
+        self._local: concurrent.futures.ThreadPoolExecutor | None = None
         self.as_dict = as_dict
         self.timeout = float(timeout)
         self.stats = PipelineStats()
         self._client = client
-        self._ahead: _Ahead | None = None  # the next epoch's head start
-        self._ahead_pending: _Ahead | None = None  # the one the feeder is building
+        # The next epoch's head start, once a feeder handed it over: the consumer's alone.
+        self._ahead: HeadStart | None = None
         self._epoch = 0
         self._position = 0  # batches of the current epoch already handed to the consumer
-        # Looked up once: _deliver runs for every batch.
-        self._features_name = self.dataset.features_name
-        self._targets_name = self.dataset.targets_name
+        # Looked up once: it runs for every batch.
+        self._deliver = Delivery(self.device, as_dict, self.dataset.features_name,
+                                 self.dataset.targets_name)
         names = tuple(self.dataset.array_names)
         self._ref = ArraysRef(names, tuple(self.dataset.zarr_array(n) for n in names))
         # Names this pipeline's tasks. Every rank must arrive at the same token (ranks share
@@ -323,9 +260,9 @@ class Pipeline:
         """Drop work submitted ahead (the embedded cluster, if used, stays for later
         calls)."""
         self._drop_ahead()
-        if self._here is not None:
-            self._here.shutdown(wait=False, cancel_futures=True)
-            self._here = None
+        if self._local is not None:
+            self._local.shutdown(wait=False, cancel_futures=True)
+            self._local = None
 
     def __enter__(self) -> Pipeline:
         return self
@@ -333,225 +270,49 @@ class Pipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit_kwargs(self) -> dict[str, Any]:
+    # -- iteration ---------------------------------------------------------------------
+    def _submitter(self) -> Submitter:
+        """How this iteration's feeder submits. Made here, on the consumer's thread: inside a
+        Dask task the worker's client and address are only visible from the task's own
+        thread, not from the feeder."""
+        client = None
         if self.placement == "consumer":
-            return {}
-        if self.placement == "local":
-            try:
-                return {"workers": [get_worker().address], "allow_other_workers": False}
-            except ValueError:
-                raise PipelineError("placement='local' needs the consumer to run on a Dask "
-                                    "worker (e.g. inside a trainer task)") from None
-        # Any worker, but named: the scheduler never holds restricted tasks in its queue of
-        # root-ish tasks. Unrestricted, a burst of blocks is partly queued there and partly
-        # sent to workers at once (Dask decides per task, by the size and dependencies of its
-        # group), and the ones sent ahead run before earlier blocks still queued, so the
-        # next batch waits. Sent at once, each worker runs its blocks in priority order; the
-        # pipeline bounds what is in flight itself (``prefetch``).
-        workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
-        return {"workers": workers, "allow_other_workers": True} if workers else {}
-
-    def _submit(self, context: EpochContext, epoch: int, stride: int, unit: Unit,
-                windows: dict[int, Future], kwargs: dict[str, Any]
-                ) -> Future | concurrent.futures.Future:
-        if self.placement == "consumer":
-            if self._here is None:
+            if self._local is None:
                 # Two threads: one decodes (zarr and its codecs release the GIL) while the
                 # other shuffles and cuts; units still finish in order, near enough.
-                self._here = concurrent.futures.ThreadPoolExecutor(
+                self._local = concurrent.futures.ThreadPoolExecutor(
                     2, thread_name_prefix="dasktrain-read")
-            return self._here.submit(self._compute_here, context, unit)
-        client = self.client
-        key = (f"dasktrain-batches-{self._token}-{epoch}-{self.rank}of{self.world_size}-"
-               f"{unit.window}")
-        # Submissions in a burst (or from inside a task) share one scheduler generation,
-        # which would leave their order to chance: ask for consumption order explicitly.
-        kwargs = {"priority": -(epoch * (stride + 1) + unit.batches[0]), **kwargs}
-        if unit.exclusive:
-            return client.submit(load_unit, context, unit.window, unit.pieces, key=key,
-                                 **kwargs)
-        # The window is shared (with other ranks, or with a neighbouring unit): one task
-        # reads it, one per unit cuts the batches.
-        for w in unit.windows:
-            if w not in windows:
-                # In the units' task group: one group for all of a pipeline's reads.
-                windows[w] = client.submit(
-                    load_window, context, w,
-                    key=f"dasktrain-batches-{self._token}-{epoch}-window-{w}", **kwargs)
-        return client.submit(assemble_batches, unit.pieces, unit.windows,
-                             *[windows[w] for w in unit.windows], key=key, **kwargs)
-
-    def _result(self, future: Future, unit: Unit, plan: EpochPlan
-                ) -> list[dict[str, np.ndarray]]:
-        """Wait for a unit with a deadline, checking that the cluster still has workers."""
-        deadline = time.monotonic() + self.timeout
-        blocks = [b for w in unit.windows for b in plan.windows[w]]
-        where = f"block(s) {blocks} of epoch {plan.epoch}"
-        while True:
-            try:
-                wait([future], timeout=min(2.0, max(deadline - time.monotonic(), 0.01)))
-                # Straight from the worker that holds it: through the scheduler, every
-                # batch would cost the scheduler's process (often this one) a copy and
-                # a hand-off.
-                return self.client.gather(future, direct=True)
-            except BlockFailed as exc:
-                raise PipelineError(exc.args[0]) from exc.original
-            except (TimeoutError, OSError) as exc:
-                if self.client.status not in ("running", "connecting"):
-                    raise PipelineError(f"the Dask client closed while waiting for {where}") \
-                        from exc
-                if time.monotonic() >= deadline:
-                    workers = len(worker_info(self.client))
-                    raise PipelineError(f"no data for {where} after {self.timeout:.0f}s "
-                                        f"({workers} worker(s) alive)") from exc
-            except (CancelledError, FutureCancelledError) as exc:
-                raise PipelineError(f"the task for {where} was cancelled") from exc
-            except PipelineError:
-                raise
-            except Exception as exc:  # KilledWorker and anything the cluster raised
-                raise PipelineError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
-
-    # -- iteration ---------------------------------------------------------------------
-    def _host_tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """CPU tensors sharing the arrays' memory (pinned when the batch goes to CUDA)."""
-        tensors = {}
-        for name, value in arrays.items():
-            if not value.flags.writeable:  # torch wants writable memory; deserialised may not be
-                value = value.copy()
-            tensor = torch.from_numpy(value)
-            tensors[name] = tensor.pin_memory() if self.device.type == "cuda" else tensor
-        return tensors
-
-    def _fetch(self, future: Future, unit: Unit, plan: EpochPlan
-               ) -> list[dict[str, torch.Tensor]]:
-        """Runs on a fetch thread: bring a unit's batches into this process as tensors, so
-        that the consumer finds them ready instead of paying a round trip per unit."""
-        return [self._host_tensors(arrays) for arrays in self._result(future, unit, plan)]
-
-    def _compute_here(self, context: EpochContext, unit: Unit) -> list[dict[str, torch.Tensor]]:
-        """A unit read, cut and turned into tensors on a read thread of this process
-        (``placement="consumer"``): one thread hop from the read to the consumer."""
-        try:
-            batches = assemble_batches(unit.pieces, unit.windows,
-                                       *[load_window(context, w) for w in unit.windows])
-        except BlockFailed as exc:
-            raise PipelineError(exc.args[0]) from exc.original
-        return [self._host_tensors(arrays) for arrays in batches]
-
-    def _deliver(self, tensors: dict[str, torch.Tensor]) -> Batch:
-        if self.device.type != "cpu":
-            tensors = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
-        if self.as_dict:
-            return tensors
-        x = tensors[self._features_name]
-        return x if self._targets_name is None else (x, tensors[self._targets_name])
-
-    @staticmethod
-    def _take_slot(slots: _Budget, rows: int, stop: threading.Event,
-                   finishing: threading.Event | None = None) -> bool:
-        """Wait for ``rows`` of free prefetch. False once the consumer has stopped, or (given
-        ``finishing``: the epoch is consumed, nothing more will be freed) none is left."""
-        while True:
-            if slots.acquire(rows, timeout=0.1 if finishing is None else 0.01):
-                if stop.is_set():
-                    slots.release(rows)
-                    return False
-                return True
-            if stop.is_set() or (finishing is not None and finishing.is_set()):
-                return False
-
-    @staticmethod
-    def _forget_windows(windows: dict[int, Future], current: int) -> None:
-        # Keep a window's future only while a later unit may still need it; the scheduler
-        # keeps it for the submitted batch tasks that depend on it.
-        for w in [w for w in windows if w < current]:
-            del windows[w]
-
-    def _feed(self, plan: EpochPlan, units: list[Unit], out: queue.Queue,
-              slots: _Budget, stop: threading.Event,
-              fetcher: concurrent.futures.ThreadPoolExecutor, kwargs: dict[str, Any],
-              ahead: _Ahead | None, finishing: threading.Event) -> None:
-        """Feeder thread: submit units as slots free up, and have each fetched in order.
-
-        All data work (task submission, transfer, conversion) happens off the consumer's
-        thread; the consumer only takes ready batches. ``slots`` holds ``prefetch`` permits:
-        one is taken per submitted unit and given back when the consumer has used it up.
-        Units submitted ahead, while the previous epoch finished, come first and already
-        hold their permits. Once this epoch is all submitted, the freed permits go on into
-        the next epoch, until the consumer is done with this one and none are left.
-        """
-        windows = ahead.windows if ahead is not None else {}
-        carried = list(ahead.submitted) if ahead is not None else []
-        finished = False
-        try:
-            context = self._context(plan)
-            for i, unit in enumerate(units):
-                if i < len(carried):
-                    future = carried[i][1]
-                else:
-                    if not self._take_slot(slots, _unit_rows(plan, unit), stop):
-                        return
-                    future = self._submit(context, plan.epoch, plan.num_batches, unit,
-                                          windows, kwargs)
-                    self.stats.add_in_flight(1)
-                self._forget_windows(windows, unit.window)
-                # Read here, the unit's future gives tensors; from the cluster, a fetch
-                # thread brings them in.
-                out.put((future, future if self.placement == "consumer"
-                         else fetcher.submit(self._fetch, future, unit, plan)))
-            finished = True
-        except BaseException as exc:  # handed to the consumer, which raises it
-            out.put((None, exc))
-        finally:
-            out.put(None)
-        if finished and self.prefetch_next_epoch:
-            self._feed_ahead(plan.epoch + 1, slots, stop, finishing, kwargs)
-
-    def _feed_ahead(self, epoch: int, slots: _Budget, stop: threading.Event,
-                    finishing: threading.Event, kwargs: dict[str, Any]) -> None:
-        """Submit ``epoch``'s first units while the consumer finishes the current one."""
-        ahead = _Ahead(epoch, self.rank, self.world_size)
-        self._ahead_pending = ahead
-        try:
-            plan = self.plan(epoch)
-            context = self._context(plan)
-            for unit in plan.units(self.rank, self.world_size):
-                rows = _unit_rows(plan, unit)
-                if not self._take_slot(slots, rows, stop, finishing):
-                    return
-                future = self._submit(context, epoch, plan.num_batches, unit, ahead.windows,
-                                      kwargs)
-                self._forget_windows(ahead.windows, unit.window)
-                ahead.submitted.append((unit, future))
-                ahead.rows += rows
-                self.stats.add_in_flight(1)
-        except Exception:  # only a head start: the next epoch submits the rest itself
-            logger.debug("submitting epoch %d ahead failed", epoch, exc_info=True)
-
-    def _context(self, plan: EpochPlan) -> EpochContext:
-        if self.placement == "consumer":
-            return EpochContext.here(f"{self._token}-{plan.epoch}", self._ref, plan,
-                                     self.transform)
-        return EpochContext.pack(self._ref, plan, self.transform)
+        else:
+            client = self.client
+        return Submitter(placement=self.placement, token=self._token, rank=self.rank,
+                         world_size=self.world_size, ref=self._ref, transform=self.transform,
+                         device=self.device, timeout=self.timeout, client=client,
+                         kwargs=placement_kwargs(self.placement, client), local=self._local)
 
     def _drop_ahead(self) -> None:
         """Forget work submitted for an epoch that will not come next."""
         if self._ahead is not None:
-            self.stats.add_in_flight(-len(self._ahead.submitted))
-            self._ahead.release()
+            self.stats.add_in_flight(-self._ahead.release())
             self._ahead = None
 
-    def _take_ahead(self, epoch: int, units: list[Unit]) -> _Ahead | None:
+    def _take_ahead(self, epoch: int, units: list[Unit]) -> HeadStart | None:
         """The head start for this iteration if it is one; otherwise it is dropped."""
         ahead = self._ahead
         if ahead is not None and self._position == 0 \
-                and (ahead.epoch, ahead.rank, ahead.world_size) == (epoch, self.rank,
-                                                                    self.world_size) \
-                and units[:len(ahead.submitted)] == [unit for unit, _ in ahead.submitted]:
+                and ahead.continues(epoch, self.rank, self.world_size, units):
             self._ahead = None
             return ahead
         self._drop_ahead()
         return None
+
+    def _batches_of(self, fetched: concurrent.futures.Future[list[Tensors]], plan: EpochPlan,
+                    unit: Unit) -> list[Tensors]:
+        try:
+            # The fetch itself waits with a deadline; a read here has this one.
+            return fetched.result(timeout=self.timeout)
+        except TimeoutError:
+            raise PipelineError(f"no data for {unit_where(plan, unit)} after "
+                                f"{self.timeout:.0f}s") from None
 
     def __iter__(self) -> Iterator[Batch]:
         epoch, skip = self._epoch, self._position
@@ -560,50 +321,27 @@ class Pipeline:
         while units and skip >= len(units[0].batches):  # resume: whole units already consumed
             skip -= len(units[0].batches)
             units.pop(0)
+        submitter = self._submitter()
         ahead = self._take_ahead(epoch, units)
         stats = self.stats
         stats.start_epoch()
-        out: queue.Queue = queue.Queue()
         carried = ahead.rows if ahead is not None else 0
-        slots = _Budget(max(self.prefetch * self.shuffle_blocks * self.block_rows - carried, 0))
-        stop, finishing = threading.Event(), threading.Event()
-        # Resolved here, on the consumer's thread: inside a Dask task the worker's client and
-        # address are only visible from the task's own thread, not from the feeder.
-        if self.placement != "consumer":
-            _ = self.client
-        kwargs = self._submit_kwargs()
-        fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
-        feeder = threading.Thread(target=self._feed, args=(plan, units, out, slots, stop,
-                                                          fetcher, kwargs, ahead, finishing),
-                                  name="dasktrain-feeder", daemon=True)
-        self._ahead_pending = None
+        budget = PrefetchBudget(
+            max(self.prefetch * self.shuffle_blocks * self.block_rows - carried, 0))
+        # The head start, if any, is the feeder's from here on.
+        feeder = Feeder(plan, units, ahead, submitter, budget, stats,
+                        plan_for=self.plan if self.prefetch_next_epoch else None)
         feeder.start()
         completed = False
+        held = None  # the unit being used up: the consumer's from the queue until it is
         done = 0  # units used up
         try:
             while True:
                 started = time.perf_counter()
-                try:
-                    # Submission is quick, so the feeder answers well within the timeout;
-                    # _fetch itself waits with a deadline and a liveness check.
-                    item = out.get(timeout=self.timeout)
-                except queue.Empty:
-                    raise PipelineError(f"the pipeline's feeder gave nothing for "
-                                        f"{self.timeout:.0f}s in epoch {epoch}") from None
-                if item is None:
+                held = feeder.next_unit(self.timeout)
+                if held is None:
                     break
-                future, fetched = item
-                if future is None:
-                    raise PipelineError(f"submitting work for epoch {epoch} failed: "
-                                        f"{fetched}") from fetched
-                try:
-                    # The fetch itself waits with a deadline; a read here has this one.
-                    batches = fetched.result(timeout=self.timeout)
-                except concurrent.futures.TimeoutError:
-                    blocks = [b for w in units[done].windows for b in plan.windows[w]]
-                    raise PipelineError(f"no data for block(s) {blocks} of epoch {epoch} "
-                                        f"after {self.timeout:.0f}s") from None
-                for tensors in batches[skip:]:
+                for tensors in self._batches_of(held[1], plan, units[done])[skip:]:
                     batch = self._deliver(tensors)
                     rows = len(next(iter(tensors.values())))
                     stats.record_batch(time.perf_counter() - started, rows,
@@ -611,31 +349,23 @@ class Pipeline:
                     self._position += 1
                     yield batch
                     started = time.perf_counter()
-                skip = 0
+                held, skip = None, 0
                 stats.blocks_done += 1
                 stats.add_in_flight(-1)
-                slots.release(_unit_rows(plan, units[done]))
+                budget.release(unit_rows(plan, units[done]))
                 done += 1
             completed = True
         finally:
-            # A consumed epoch lets the feeder use the slots it freed for the next epoch
-            # (a few quick submissions); an interrupted one stops it at once.
-            (finishing if completed else stop).set()
-            fetcher.shutdown(wait=False, cancel_futures=True)
-            feeder.join(timeout=5)
-            stop.set()
-            while not out.empty():
-                item = out.get_nowait()
-                if item is not None and item[0] is not None:
-                    _release(item[0])
-            stats.clear_in_flight()
-            pending, self._ahead_pending = self._ahead_pending, None
-            if pending is not None:
-                if completed and not feeder.is_alive():
-                    self._ahead = pending
-                    stats.add_in_flight(len(pending.submitted))
+            if held is not None:  # interrupted within a unit
+                release(held[0])
+                held[1].cancel()
+                stats.add_in_flight(-1)
+            head = feeder.finish(completed)
+            if head is not None:
+                if completed:
+                    self._ahead = head
                 else:  # an interrupted epoch resumes mid-way: the head start is moot
-                    pending.release()
+                    stats.add_in_flight(-head.release())
         stats.finished = time.perf_counter()
         self._epoch, self._position = epoch + 1, 0
 

@@ -1,4 +1,5 @@
-"""Pipeline telemetry: cheap counters updated on the consumer's side only."""
+"""Pipeline telemetry: cheap counters, kept by the consumer; only the count of units in
+flight is also moved by the feeder, under a lock."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class PipelineStats:
         self.wait_per_batch.append(wait)
 
     def add_in_flight(self, delta: int) -> None:
-        """Called by the feeder (+1) and the consumer (-1) threads."""
+        """Called by the feeder (+1 per unit submitted, -1 per unit it releases itself) and
+        the consumer (-1 per unit used up or released)."""
         with _LOCK:
             self.blocks_in_flight += delta
             self.max_blocks_in_flight = max(self.max_blocks_in_flight, self.blocks_in_flight)

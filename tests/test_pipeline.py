@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from distributed import Client, LocalCluster, get_task_stream
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
+from dasktrain.pipeline import EpochPlan
 from tests.common.data import indexed_dataset
 
 
@@ -88,6 +91,67 @@ def test_next_epoch_starts_ahead_and_is_dropped_when_another_comes(client, index
     assert pipe.stats.blocks_in_flight == 0
     np.testing.assert_array_equal(np.concatenate([first, *_ids(pipe)]), expected[1])
     pipe.close()
+
+
+# The feeder of a head start, held up inside a submission until the test lets it go.
+_LATE = {"gate": threading.Event(), "entered": threading.Event(), "thread": None}
+
+
+class _LateFirstSubmission(EpochPlan):
+    """A plan that holds up the feeder inside its first submission: the first read of
+    ``num_batches`` on the feeder once the units are planned is the task's priority, read
+    after the unit's prefetch was taken and before the unit is recorded anywhere."""
+
+    def units(self, rank: int = 0, world_size: int = 1):
+        units = super().units(rank, world_size)
+        self.__dict__["units_planned"] = True  # frozen: set beside the cached properties
+        return units
+
+    @property
+    def num_batches(self) -> int:
+        if self.__dict__.get("units_planned") and not _LATE["entered"].is_set() \
+                and threading.current_thread().name == "dasktrain-feeder":
+            _LATE["thread"] = threading.current_thread()
+            _LATE["entered"].set()
+            assert _LATE["gate"].wait(60), "the test never let the feeder go on"
+        return super().num_batches
+
+
+class _LateHeadStart(dt.Pipeline):
+    """Plans epoch 1 with :class:`_LateFirstSubmission` where its head start is made."""
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        plan = super().plan(epoch)
+        if plan.epoch == 1 and threading.current_thread().name == "dasktrain-feeder":
+            return _LateFirstSubmission(**{f.name: getattr(plan, f.name)
+                                           for f in dataclasses.fields(plan)})
+        return plan
+
+
+@pytest.mark.slow
+def test_a_late_head_start_is_released_by_its_feeder(client, indexed):
+    """The epoch ends while its feeder is still inside a head-start submission: what that
+    feeder submits afterwards is released, not added to a head start already given up."""
+    _LATE["gate"].clear()
+    _LATE["entered"].clear()
+    common = {"batch_size": 100, "seed": 2, "prefetch": 2, "client": client,
+              "placement": "anywhere"}
+    plain = dt.Pipeline(indexed, prefetch_next_epoch=False, **common)
+    expected = [np.concatenate(_ids(plain)) for _ in range(2)]
+    pipe = _LateHeadStart(indexed, **common)
+    try:
+        np.testing.assert_array_equal(np.concatenate(_ids(pipe)), expected[0])
+        assert _LATE["entered"].is_set(), "the head start never reached a submission"
+        assert pipe.stats.blocks_in_flight == 0  # the consumer kept nothing of it
+    finally:
+        _LATE["gate"].set()
+    late = _LATE["thread"]
+    late.join(timeout=30)
+    assert not late.is_alive()
+    assert pipe.stats.blocks_in_flight == 0  # what it submitted late is released, not kept
+    np.testing.assert_array_equal(np.concatenate(_ids(pipe)), expected[1])
+    pipe.close()
+    assert pipe.stats.blocks_in_flight == 0
 
 
 def test_world_size_may_change_between_epochs(client, indexed):
@@ -353,7 +417,8 @@ def test_blocks_run_in_the_order_they_are_consumed(client, indexed):
     Checked per worker on the tasks that read (a whole unit, or a window shared by units);
     the small tasks that only cut a shared window into batches start when their windows
     are read. Without worker restrictions the scheduler would queue some of a burst and send
-    others ahead (see ``Pipeline._submit_kwargs``), and this failed most runs."""
+    others ahead (see ``dasktrain.pipeline.submit.placement_kwargs``), and this failed most
+    runs."""
     with get_task_stream(client) as stream:
         pipe = dt.Pipeline(indexed, batch_size=100, transform=_busy, prefetch=11,
                            prefetch_next_epoch=False, client=client)

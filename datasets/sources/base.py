@@ -18,9 +18,11 @@ __all__ = [
     "BlockReader",
     "Source",
     "SourceOptions",
+    "SourceSettings",
     "get_source",
     "register_builtin",
     "register_suffix",
+    "source_settings",
 ]
 
 
@@ -34,13 +36,19 @@ class ArraySpec:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class SourceOptions:
-    """Options a source may use; each source reads the ones that apply to it."""
+class SourceSettings:
+    """What a person chooses about a source; each source reads the ones that apply to it.
+
+    Declared once, here: :class:`~dasktrain.datasets.PrepareConfig` (the Python API, the
+    CLI and config files) and :class:`SourceOptions` (what a source is given) both derive
+    from it, and :func:`source_settings` copies them from one to the other.
+    """
 
     features: list[str] | None = None
-    """Columns (tabular) or array name (npz) holding the features; default: all / autodetect."""
+    """Feature columns (tabular) or array name (npz); default: every column but the
+    target / autodetect."""
     target: str | None = None
-    """Target column (tabular), array name (npz) or path of a ``.npy`` file (npy)."""
+    """Target column (tabular), array name (npz) or path of a ``.npy`` file of targets."""
     encode_categorical: bool = False
     """Encode non-numeric columns as integer category codes instead of refusing them."""
     samples: int | None = None
@@ -48,14 +56,27 @@ class SourceOptions:
     width: int | None = None
     """Number of features a synthetic generator makes."""
     classes: int | None = None
-    """Number of classes for ``classification``."""
+    """Number of classes of ``classification``."""
     noise: float | None = None
     """Standard deviation of the noise a synthetic generator adds."""
     seed: int = 0
-    """Seed of synthetic generators."""
+    """Seed of synthetic generators (and, when preparing, of the split assignment)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SourceOptions(SourceSettings):
+    """Options a source may use: the person's :class:`SourceSettings`, and where it may
+    stage data."""
+
     scratch_dir: str | None = None
     """A directory, visible to every worker, where a source may stage data it cannot map in
     place (compressed ``.npz`` members); the caller removes it afterwards."""
+
+
+def source_settings(settings: SourceSettings) -> dict[str, Any]:
+    """The :class:`SourceSettings` fields of ``settings`` (of any class derived from it), as
+    keyword arguments."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(SourceSettings)}
 
 
 #: Reads rows ``[start, stop)`` of every array of a source: ``{name: rows}``, dtypes as in

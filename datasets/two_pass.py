@@ -1,0 +1,130 @@
+"""The two-pass build, for a source holding NaN or infinities, a split or normalisation;
+memory stays bounded by a few chunks.
+
+1. *stage*: each source chunk is cleaned, its rows are grouped by split and written to an
+   uncompressed scratch Zarr; the tasks return per-split row counts and the moments of the
+   rows normalisation is fitted on.
+2. *write*: each output chunk gathers its rows from at most a few scratch chunks (rows of
+   split 0 first, then split 1, ...), normalises, compresses and writes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import zarr
+from distributed import Client
+from zarr.storage import StoreLike
+
+from dasktrain.datasets.build_tasks import (
+    create_arrays,
+    group_blocks,
+    plan_tasks,
+    run_tasks,
+    task_slots,
+)
+from dasktrain.datasets.config import PrepareConfig
+from dasktrain.datasets.errors import SourceError
+from dasktrain.datasets.format import row_bytes
+from dasktrain.datasets.sources import Source
+from dasktrain.datasets.sources.base import BlockReader
+from dasktrain.datasets.splits import SplitPlan
+from dasktrain.datasets.stats import merge_all
+from dasktrain.datasets.write_tasks import stage_chunks, write_chunks
+
+__all__ = ["write_staged"]
+
+
+def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
+                 reader: BlockReader | None, blocks: list,
+                 starts: list[int], lengths: list[int], chunk_rows: int, scratch_store: StoreLike,
+                 plan: SplitPlan | None, config: PrepareConfig, progress: bool
+                 ) -> tuple[list, np.ndarray, dict | None]:
+    """Two passes through a scratch Zarr: clean and group rows by split, then write."""
+    specs = src.specs
+    names = list(specs)
+    scratch_root = zarr.open_group(scratch_store, mode="w")
+    scratch = {
+        name: scratch_root.create_array(
+            name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
+            chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0,
+            # Chunk files side by side, not a directory each: fewer to make and remove.
+            chunk_key_encoding={"name": "default", "separator": "."})
+        for name, spec in specs.items()
+    }
+    features = [n for n in names if specs[n].role == "features"]
+    fit_name = features[0] if config.normalize and features else None
+    stage = functools.partial(stage_chunks, scratch, 0, fit_name, not src.known_finite, reader)
+    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in specs.values()])
+    parallelism = task_slots(client)
+    groups = plan_tasks(len(starts), chunk_bytes, parallelism)
+    args = []
+    for group in groups:
+        first, last = group[0], group[-1]
+        args.append(([(starts[i], starts[i] + lengths[i]) for i in group],
+                     plan.slice_for(starts[first], starts[last] + lengths[last]) if plan
+                     else None))
+    staged = [chunk for task in run_tasks(client, stage, args,
+                                          group_blocks(reader, blocks, groups), "staging",
+                                          progress) for chunk in task]
+    counts = np.stack([c for c, _ in staged])
+    num_samples = int(counts.sum())
+    if num_samples == 0:
+        raise SourceError(f"source {source!r} has no finite rows: all {src.num_samples} dropped")
+    if plan is not None:
+        empty = [name for name, size in zip(plan.names, counts.sum(axis=0), strict=True)
+                 if size == 0]
+        if empty:
+            raise SourceError(
+                f"split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} would be "
+                f"empty with {num_samples} samples; use larger fractions or more data"
+            )
+    norm, normalization = {}, None
+    if fit_name is not None:
+        fit = merge_all([m for _, m in staged])
+        # A constant feature is divided by 1, not by a std of 0 (or of rounding noise): it
+        # becomes 0, which the preparation warns about.
+        constant = fit.constant
+        std = np.where((fit.std > 0) & ~constant, fit.std, 1.0)
+        norm[fit_name] = (fit.mean.astype(np.float32), std.astype(np.float32))
+        normalization = {fit_name: {
+            "mean": fit.mean.tolist(), "std": std.tolist(), "count": fit.count,
+            "fitted_on": plan.names[0] if plan else "all",
+            "constant": np.flatnonzero(constant).tolist()}}
+    out = create_arrays(root, src, num_samples, chunk_rows, config.compression)
+    scratch_list = [scratch[n] for n in names]
+    write = functools.partial(write_chunks, out, scratch_list, norm)
+    layout = _layout(counts, starts, chunk_rows)
+    results = run_tasks(client, write,
+                        [([(j * chunk_rows, layout[j]) for j in group],)
+                         for group in plan_tasks(len(layout), chunk_bytes, parallelism)],
+                        None, "writing", progress)
+    return results, counts, normalization
+
+
+def _layout(counts: np.ndarray, starts: list[int], chunk_rows: int
+            ) -> list[list[tuple[int, int]]]:
+    """Scratch row ranges that make up each output chunk.
+
+    ``counts[i, s]`` rows of split ``s`` sit in scratch chunk ``i`` after the rows of the
+    splits before it; the output holds split 0 of every chunk in order, then split 1, ...
+    """
+    runs = []
+    for s in range(counts.shape[1]):
+        for i, start in enumerate(starts):
+            if counts[i, s]:
+                a = start + int(counts[i, :s].sum())
+                runs.append((a, a + int(counts[i, s])))
+    chunks: list[list[tuple[int, int]]] = [[]]
+    room = chunk_rows
+    for a, b in runs:
+        while a < b:
+            if room == 0:
+                chunks.append([])
+                room = chunk_rows
+            take = min(room, b - a)
+            chunks[-1].append((a, a + take))
+            a += take
+            room -= take
+    return [c for c in chunks if c]

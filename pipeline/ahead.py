@@ -1,0 +1,80 @@
+"""The head start into the next epoch: its first units, submitted with the prefetch the
+current epoch frees once it is all submitted, so that the next epoch's first batch is ready
+when it begins.
+
+A head start has one owner at a time. The feeder builds it alone, unseen while it grows,
+and hands it over once, when it will add nothing more (see
+:class:`~dasktrain.pipeline.feeder.Feeder`); from then on only the pipeline touches it: it
+keeps it for the next iteration, or releases it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+from distributed import Future
+
+from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
+from dasktrain.pipeline.plan import EpochPlan, Unit
+from dasktrain.pipeline.stats import PipelineStats
+from dasktrain.pipeline.submit import Submitted, Submitter, forget_windows, release
+
+__all__ = ["HeadStart", "submit_ahead"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class HeadStart:
+    """Units of the next epoch submitted while the current one finished."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    submitted: list[tuple[Unit, Submitted]] = dataclasses.field(default_factory=list)
+    windows: dict[int, Future] = dataclasses.field(default_factory=dict)
+    rows: int = 0
+    """Of the prefetch budget, held by the submitted units."""
+
+    def continues(self, epoch: int, rank: int, world_size: int, units: list[Unit]) -> bool:
+        """Whether an iteration over ``units`` of ``epoch`` can start with these units."""
+        return ((self.epoch, self.rank, self.world_size) == (epoch, rank, world_size)
+                and units[:len(self.submitted)] == [unit for unit, _ in self.submitted])
+
+    def release(self) -> int:
+        """Let go of everything submitted; returns the number of units that were held."""
+        units = len(self.submitted)
+        for _, future in self.submitted:
+            release(future)
+        for future in self.windows.values():
+            future.release()
+        self.submitted.clear()
+        self.windows.clear()
+        return units
+
+
+def submit_ahead(plan_for: Callable[[int], EpochPlan], epoch: int, submitter: Submitter,
+                 budget: PrefetchBudget, stop: threading.Event, finishing: threading.Event,
+                 stats: PipelineStats) -> HeadStart:
+    """Runs on the feeder: submit ``epoch``'s first units while the consumer finishes the
+    current one, each as soon as prefetch is free, until the consumer stops, or is done and
+    none is left (``finishing``). Returns what was submitted, perhaps nothing."""
+    head = HeadStart(epoch, submitter.rank, submitter.world_size)
+    try:
+        plan = plan_for(epoch)
+        context = submitter.context(plan)
+        for unit in plan.units(submitter.rank, submitter.world_size):
+            rows = unit_rows(plan, unit)
+            if not budget.take(rows, stop, finishing):
+                break
+            future = submitter.submit(context, plan, unit, head.windows)
+            forget_windows(head.windows, unit.window)
+            head.submitted.append((unit, future))
+            head.rows += rows
+            stats.add_in_flight(1)
+    except Exception:  # only a head start: the next epoch submits the rest itself
+        logger.debug("submitting epoch %d ahead failed", epoch, exc_info=True)
+    return head

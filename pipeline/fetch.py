@@ -1,0 +1,116 @@
+"""Bringing a unit's batches to the consumer: wait for its task with a deadline and a
+liveness check, turn its arrays into tensors (pinned when they go to CUDA), and hand each
+batch over in the shape asked for."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import CancelledError
+
+import numpy as np
+import torch
+from distributed import Client, Future, wait
+from distributed.client import FutureCancelledError
+
+from dasktrain._cluster import worker_info
+from dasktrain._deadline import wait_until
+from dasktrain.pipeline.errors import PipelineError
+from dasktrain.pipeline.plan import EpochPlan, Unit
+from dasktrain.pipeline.tasks import BlockFailed, EpochContext, assemble_batches, load_window
+
+__all__ = ["Batch", "Delivery", "Tensors", "compute_here", "fetch_unit", "host_tensors",
+           "unit_where", "wait_for_unit"]
+
+Batch = tuple[torch.Tensor, torch.Tensor] | torch.Tensor | dict[str, torch.Tensor]
+#: One batch on its way to the consumer: CPU tensors keyed by array name.
+Tensors = dict[str, torch.Tensor]
+
+_SLICE = 2.0  # seconds between liveness checks while waiting for a unit
+
+
+def unit_where(plan: EpochPlan, unit: Unit) -> str:
+    """The unit's blocks and epoch, as error messages name them."""
+    blocks = [b for w in unit.windows for b in plan.windows[w]]
+    return f"block(s) {blocks} of epoch {plan.epoch}"
+
+
+def host_tensors(arrays: dict[str, np.ndarray], device: torch.device) -> Tensors:
+    """CPU tensors sharing the arrays' memory (pinned when the batch goes to CUDA)."""
+    tensors = {}
+    for name, value in arrays.items():
+        if not value.flags.writeable:  # torch wants writable memory; deserialised may not be
+            value = value.copy()
+        tensor = torch.from_numpy(value)
+        tensors[name] = tensor.pin_memory() if device.type == "cuda" else tensor
+    return tensors
+
+
+def wait_for_unit(client: Client, future: Future, where: str, timeout: float
+                  ) -> list[dict[str, np.ndarray]]:
+    """A unit's batches, within ``timeout`` seconds, as long as the client stays open."""
+
+    def get(seconds: float) -> list[dict[str, np.ndarray]]:
+        try:
+            wait([future], timeout=seconds)
+            # Straight from the worker that holds it: through the scheduler, every batch
+            # would cost the scheduler's process (often this one) a copy and a hand-off.
+            return client.gather(future, direct=True)
+        except OSError as exc:  # a connection that broke is retried like a slow answer
+            raise TimeoutError(str(exc)) from exc
+
+    def check() -> None:
+        if client.status not in ("running", "connecting"):
+            raise PipelineError(f"the Dask client closed while waiting for {where}")
+
+    def expired() -> PipelineError:
+        return PipelineError(f"no data for {where} after {timeout:.0f}s "
+                             f"({len(worker_info(client))} worker(s) alive)")
+
+    try:
+        return wait_until(get, timeout=timeout, expired=expired, check=check,
+                          slice_seconds=_SLICE)
+    except BlockFailed as exc:
+        raise PipelineError(exc.args[0]) from exc.original
+    except (CancelledError, FutureCancelledError) as exc:
+        raise PipelineError(f"the task for {where} was cancelled") from exc
+    except PipelineError:
+        raise
+    except Exception as exc:  # KilledWorker and anything the cluster raised
+        raise PipelineError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def fetch_unit(client: Client, future: Future, plan: EpochPlan, unit: Unit, timeout: float,
+               device: torch.device) -> list[Tensors]:
+    """Runs on a fetch thread: bring a unit's batches into this process as tensors, so that
+    the consumer finds them ready instead of paying a round trip per unit."""
+    return [host_tensors(arrays, device)
+            for arrays in wait_for_unit(client, future, unit_where(plan, unit), timeout)]
+
+
+def compute_here(context: EpochContext, unit: Unit, device: torch.device) -> list[Tensors]:
+    """A unit read, cut and turned into tensors on a read thread of this process
+    (``placement="consumer"``): one thread hop from the read to the consumer."""
+    try:
+        batches = assemble_batches(unit.pieces, unit.windows,
+                                   *[load_window(context, w) for w in unit.windows])
+    except BlockFailed as exc:
+        raise PipelineError(exc.args[0]) from exc.original
+    return [host_tensors(arrays, device) for arrays in batches]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Delivery:
+    """How a batch reaches the training loop: on which device, as a dict or as ``(x, y)``."""
+
+    device: torch.device
+    as_dict: bool
+    features_name: str
+    targets_name: str | None
+
+    def __call__(self, tensors: Tensors) -> Batch:
+        if self.device.type != "cpu":
+            tensors = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
+        if self.as_dict:
+            return tensors
+        x = tensors[self.features_name]
+        return x if self.targets_name is None else (x, tensors[self.targets_name])

@@ -1,0 +1,137 @@
+"""Sending a unit's work where it runs: named, prioritised Dask tasks on the cluster (a window
+shared by several units is read once), or read threads of the consuming process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import torch
+from distributed import Client, Future, get_worker
+
+from dasktrain.pipeline.errors import PipelineError
+from dasktrain.pipeline.fetch import Tensors, compute_here, fetch_unit
+from dasktrain.pipeline.plan import EpochPlan, Unit
+from dasktrain.pipeline.tasks import (
+    ArraysRef,
+    EpochContext,
+    Transform,
+    assemble_batches,
+    load_unit,
+    load_window,
+)
+
+__all__ = ["PLACEMENTS", "Submitted", "Submitter", "forget_windows", "placement_kwargs",
+           "release"]
+
+PLACEMENTS = ("auto", "anywhere", "local", "consumer")
+#: A unit's work: a Dask future on the cluster, a thread's future in this process.
+Submitted = Future | concurrent.futures.Future
+
+
+def release(future: Submitted) -> None:
+    """Let go of a unit's result: a Dask future is released, a local one cancelled."""
+    if isinstance(future, Future):
+        future.release()
+    else:
+        future.cancel()
+
+
+def placement_kwargs(placement: str, client: Client | None) -> dict[str, Any]:
+    """The workers a unit's tasks may run on. Call it on the consumer's thread: inside a Dask
+    task the worker (and its client) are only visible from the task's own thread."""
+    if placement == "consumer":
+        return {}
+    if placement == "local":
+        try:
+            return {"workers": [get_worker().address], "allow_other_workers": False}
+        except ValueError:
+            raise PipelineError("placement='local' needs the consumer to run on a Dask "
+                                "worker (e.g. inside a trainer task)") from None
+    assert client is not None, "placement 'anywhere' submits through a client"
+    # Any worker, but named: the scheduler never holds restricted tasks in its queue of
+    # root-ish tasks. Unrestricted, a burst of blocks is partly queued there and partly sent
+    # to workers at once (Dask decides per task, by the size and dependencies of its group),
+    # and the ones sent ahead run before earlier blocks still queued, so the next batch
+    # waits. Sent at once, each worker runs its blocks in priority order; the pipeline
+    # bounds what is in flight itself (``prefetch``).
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    return {"workers": workers, "allow_other_workers": True} if workers else {}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Submitter:
+    """What the feeder needs to submit units, fixed on the consumer's thread before the
+    feeder starts and only read afterwards (by the feeder, and by fetch threads)."""
+
+    placement: str
+    """``"anywhere"``, ``"local"`` or ``"consumer"`` (``"auto"`` is resolved before)."""
+    token: str
+    """Names the pipeline's tasks (the same on every rank)."""
+    rank: int
+    world_size: int
+    ref: ArraysRef
+    transform: Transform | None
+    device: torch.device
+    timeout: float
+    """Seconds to wait for one unit."""
+    client: Client | None = None
+    """The cluster's client; None for ``placement="consumer"``."""
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """From :func:`placement_kwargs`."""
+    local: concurrent.futures.ThreadPoolExecutor | None = None
+    """The read threads of ``placement="consumer"``."""
+
+    def context(self, plan: EpochPlan) -> EpochContext:
+        if self.placement == "consumer":
+            return EpochContext.here(f"{self.token}-{plan.epoch}", self.ref, plan,
+                                     self.transform)
+        return EpochContext.pack(self.ref, plan, self.transform)
+
+    def submit(self, context: EpochContext, plan: EpochPlan, unit: Unit,
+               windows: dict[int, Future]) -> Submitted:
+        """Start a unit's work. ``windows`` holds the window reads already submitted for
+        this epoch (a shared window is read by one task); it grows here."""
+        if self.placement == "consumer":
+            assert self.local is not None, "placement 'consumer' reads in local threads"
+            return self.local.submit(compute_here, context, unit, self.device)
+        client = self.client
+        assert client is not None, "a Dask placement submits through a client"
+        epoch = plan.epoch
+        key = (f"dasktrain-batches-{self.token}-{epoch}-{self.rank}of{self.world_size}-"
+               f"{unit.window}")
+        # Submissions in a burst (or from inside a task) share one scheduler generation,
+        # which would leave their order to chance: ask for consumption order explicitly.
+        kwargs = {"priority": -(epoch * (plan.num_batches + 1) + unit.batches[0]),
+                  **self.kwargs}
+        if unit.exclusive:
+            return client.submit(load_unit, context, unit.window, unit.pieces, key=key,
+                                 **kwargs)
+        # The window is shared (with other ranks, or with a neighbouring unit): one task
+        # reads it, one per unit cuts the batches.
+        for w in unit.windows:
+            if w not in windows:
+                # In the units' task group: one group for all of a pipeline's reads.
+                windows[w] = client.submit(
+                    load_window, context, w,
+                    key=f"dasktrain-batches-{self.token}-{epoch}-window-{w}", **kwargs)
+        return client.submit(assemble_batches, unit.pieces, unit.windows,
+                             *[windows[w] for w in unit.windows], key=key, **kwargs)
+
+    def fetched(self, future: Submitted, plan: EpochPlan, unit: Unit,
+                fetcher: concurrent.futures.ThreadPoolExecutor
+                ) -> concurrent.futures.Future[list[Tensors]]:
+        """The unit's batches as tensors in this process: read here, the unit's own future;
+        from the cluster, a fetch thread brings them in."""
+        if self.placement == "consumer":
+            return future
+        return fetcher.submit(fetch_unit, self.client, future, plan, unit, self.timeout,
+                              self.device)
+
+
+def forget_windows(windows: dict[int, Future], current: int) -> None:
+    """Keep a window's future only while a later unit may still need it; the scheduler keeps
+    it for the submitted batch tasks that depend on it."""
+    for w in [w for w in windows if w < current]:
+        del windows[w]
