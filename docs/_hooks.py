@@ -16,14 +16,18 @@ from typing import Any
 COMPONENTS = ("datasets", "pipeline", "trainer")
 
 
-def on_config(config: Any) -> Any:
-    root = Path(config.config_file_path).resolve().parent
+def lay_out(root: Path) -> None:
+    """The link tree under ``root/build/docs-src``, made anew."""
     tree = root / "build" / "docs-src" / "dasktrain"
     if tree.parent.exists():
         shutil.rmtree(tree.parent)
     _link_files(root / "dasktrain", tree)
     for component in COMPONENTS:
         _link_files(root / component, tree / component)
+
+
+def on_config(config: Any) -> Any:
+    lay_out(Path(config.config_file_path).resolve().parent)
     return config
 
 
@@ -50,4 +54,9 @@ def _name(match: re.Match) -> str:
 
 def on_page_content(html: str, **kwargs: Any) -> str:
     return _ROLE.sub(_name, html)
+
+
+# mkdocstrings keeps only the search paths that exist when it reads its configuration,
+# before any hook's on_config runs: the tree must exist as soon as MkDocs loads this file.
+lay_out(Path(__file__).resolve().parent.parent)
 

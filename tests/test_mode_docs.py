@@ -83,7 +83,13 @@ def test_the_documented_optimizer_trains_as_written(client, regression):
     found = re.search(r"```python\n(class SignSGD.*?)```", text, re.S)
     assert found, "docs/modes.md lost its example optimizer"
     namespace = {"torch": torch, "dt": dt, "net": mlp, "loss": mse}
-    exec(compile(found.group(1), "docs/modes.md (example optimizer)", "exec"), namespace)
-    trainer = namespace["trainer"]
-    trainer.fit(regression, epochs=1, client=client)
+    before = dt.optim.OPTIMIZERS.get("signsgd")  # another module's entry of that name
+    try:
+        exec(compile(found.group(1), "docs/modes.md (example optimizer)", "exec"), namespace)
+        trainer = namespace["trainer"]
+        trainer.fit(regression, epochs=1, client=client)
+    finally:
+        dt.optim.OPTIMIZERS.pop("signsgd", None)
+        if before is not None:
+            dt.optim.OPTIMIZERS["signsgd"] = before
     assert (flat_parameters(trainer.model) - flat_parameters(mlp())).abs().max() > 1e-3

@@ -101,3 +101,16 @@ def kill_once(output: torch.Tensor, target: torch.Tensor, marker: str, calls: in
             Path(marker).touch()
             os.kill(os.getpid(), signal.SIGKILL)
     return mse(output, target)
+
+
+def assert_sync_equals_one_process(client, dataset, config) -> None:
+    """``sync`` with 2 workers of 16 on the holder ends where one process on batches of 32
+    with the same optimizer does, and the parameters did move."""
+    trainer = dt.Trainer(mlp, mse, config, mode="sync", workers=2, batch_size=16,
+                         progress=False)
+    trainer.fit(dataset, epochs=1, client=client)
+    expected = one_process(dataset, mlp, config, 32, 1, client)
+    torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
+                               atol=1e-6)
+    assert (expected - flat_parameters(mlp())).abs().max() > 1e-2  # it did move
+
