@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,6 +16,8 @@ __all__ = ["Membership", "Watchdog"]
 # of the epoch; lost: dropped by the watchdog (or its task given up), until it comes back.
 STATES = ("expected", "active", "done", "lost")
 
+
+logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)
 class _Member:
@@ -124,6 +127,7 @@ class Watchdog:
         self.timeout = timeout
         self._task: asyncio.Task | None = None
         self._stopped = False
+        self.failed_rounds = 0
 
     def ensure_running(self) -> None:
         if not self._stopped and (self._task is None or self._task.done()):
@@ -137,7 +141,17 @@ class Watchdog:
     async def _watch(self) -> None:
         while not self._stopped:
             await asyncio.sleep(self.interval)
-            await self.check(time.monotonic())
+            try:
+                await self.check(time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A round that failed (the scheduler did not answer, a drop raised) must not
+                # end the watch: the next round may succeed, and without it a barrier could
+                # wait on a dead worker for good.
+                self.failed_rounds += 1
+                logger.warning("the holder's watchdog round failed; it keeps watching",
+                               exc_info=self.failed_rounds == 1)
 
     async def check(self, now: float) -> None:
         """One round of checks (the loop's body)."""
