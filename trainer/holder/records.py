@@ -11,10 +11,15 @@ to the next update recorded after it.
 
 Every name not in ``PER_UPDATE`` is per gradient: that is how the History and the update
 log tell the two apart without a schema.
+
+A holder on a threaded update appends from its serial thread while its event loop records
+dropped gradients and takes rows for the driver: each call holds one lock, so a row is
+written to every column, or to none, before anyone reads.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +42,7 @@ class Records:
         self.names = (*PER_UPDATE, *PER_GRADIENT, *extra)
         self._columns: dict[str, list] = {name: [] for name in self.names}
         self._open = 0  # gradient entries not yet closed by an update row
+        self._lock = threading.Lock()
 
     def gradient(self, *, staleness: int, worker: int, scale: float = 1.0,
                  compensated: bool = False, dropped: bool = False, **fields: Any) -> None:
@@ -44,34 +50,37 @@ class Records:
         if fields and not fields.keys() <= self._defaults.keys():
             unknown = sorted(set(fields) - set(self._defaults))
             raise ValueError(f"gradient field(s) {unknown} were not declared by the mode")
-        columns = self._columns
-        columns["staleness"].append(int(staleness))
-        columns["staleness_worker"].append(int(worker))
-        columns["scale"].append(float(scale))
-        columns["compensated"].append(bool(compensated))
-        columns["dropped"].append(bool(dropped))
-        for name, default in self._defaults.items():
-            columns[name].append(fields.get(name, default))
-        self._open += 1
+        with self._lock:
+            columns = self._columns
+            columns["staleness"].append(int(staleness))
+            columns["staleness_worker"].append(int(worker))
+            columns["scale"].append(float(scale))
+            columns["compensated"].append(bool(compensated))
+            columns["dropped"].append(bool(dropped))
+            for name, default in self._defaults.items():
+                columns[name].append(fields.get(name, default))
+            self._open += 1
 
     def update(self, *, version: int, loss: float, samples: int, contributors: int) -> None:
         """One update; the gradient entries recorded since the last one belong to it."""
-        columns = self._columns
-        columns["version"].append(int(version))
-        columns["time"].append(time.time())
-        columns["loss"].append(float(loss))
-        columns["samples"].append(int(samples))
-        columns["contributors"].append(int(contributors))
-        columns["gradients"].append(self._open)
-        self._open = 0
+        with self._lock:
+            columns = self._columns
+            columns["version"].append(int(version))
+            columns["time"].append(time.time())
+            columns["loss"].append(float(loss))
+            columns["samples"].append(int(samples))
+            columns["contributors"].append(int(contributors))
+            columns["gradients"].append(self._open)
+            self._open = 0
 
     def take(self) -> dict[str, list]:
         """The rows recorded since the last call; entries of no update yet stay."""
         taken = {name: [] for name in self.names}
-        for name in PER_UPDATE:
-            taken[name], self._columns[name] = self._columns[name], []
-        for name in self.names[len(PER_UPDATE):]:
-            column = self._columns[name]
-            cut = len(column) - self._open
-            taken[name], self._columns[name] = column[:cut], column[cut:]
+        with self._lock:
+            for name in PER_UPDATE:
+                taken[name], self._columns[name] = self._columns[name], []
+            for name in self.names[len(PER_UPDATE):]:
+                column = self._columns[name]
+                cut = len(column) - self._open
+                taken[name], self._columns[name] = column[:cut], column[cut:]
         return taken
