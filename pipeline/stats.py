@@ -53,10 +53,6 @@ class PipelineStats:
             self.blocks_in_flight += delta
             self.max_blocks_in_flight = max(self.max_blocks_in_flight, self.blocks_in_flight)
 
-    def clear_in_flight(self) -> None:
-        with _LOCK:
-            self.blocks_in_flight = 0
-
     @property
     def elapsed(self) -> float:
         if self.started is None:
