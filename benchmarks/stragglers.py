@@ -1,13 +1,22 @@
-"""W3, stragglers: every update mode with one trainer worker 3x slower, and without.
+"""W3, stragglers: every update mode with one trainer worker 3x slower, and without, under
+SGD with momentum 0.9 and under Adam, each at a learning rate where ``sync`` trains well.
 
-Problem (non-convex, where staleness hurts): teacher-student classification. 24,576 rows of
-32 standard normal features; the label is the argmax over 10 classes of a fixed random
-teacher network (32 -> 64 tanh -> 10). The student is an MLP 32 -> 128 tanh -> 128 tanh -> 10
-(22k parameters) trained with cross-entropy and SGD, lr 0.2, momentum 0.9: high enough that
-gradients computed on parameters a few updates old overshoot (plain ``async`` ends far above
-``sync``), low enough for ``sync`` to train well. ``--model linear`` trains softmax
-regression on the same data instead, the convex contrast: there plain ``async`` is about as
-good as ``sync`` and delay compensation has nothing to fix.
+Tasks (non-convex, where staleness hurts; ``--task``):
+
+* ``teacher`` (default): teacher-student classification. 24,576 rows of 32 standard normal
+  features; the label is the argmax over 10 classes of a fixed random teacher network
+  (32 -> 64 tanh -> 10). The student is an MLP 32 -> 128 tanh -> 128 tanh -> 10 (22k
+  parameters) trained with cross-entropy. ``--model linear`` trains softmax regression on
+  the same data instead, the convex contrast.
+* ``wave``: regression of a smooth non-linear function of 8 standard normal features,
+  ``sin(2 a.x) cos(b.x) + 0.5 tanh(2 c.x)`` for fixed random directions, by a ReLU MLP
+  8 -> 64 -> 64 -> 1 (4.8k parameters) with mean squared error.
+
+Optimizers (``--optimizer``, default both, one after the other on the same cluster): SGD
+with momentum 0.9, and Adam (betas 0.9, 0.999); the learning rate of each task and
+optimizer is in ``LR`` (``--lr`` sets one for all): SGD 0.2 (the rate W3 always used on
+``teacher``; the best ``sync`` loss of 0.05-0.4 on ``wave``), Adam 0.02 (the best ``sync``
+loss of 0.005-0.04 on both).
 
 Setup: a LocalCluster of 2 processes on 127.0.0.1 (the machine has 2 cores, 2 threads per
 process), 3 trainer workers (long-running tasks, ``torch_threads=1``), batches of 128 per
@@ -15,7 +24,7 @@ worker. The straggler is the trainer worker of rank ``--slow-rank`` (default 2):
 function, after computing the loss, sleeps (``--slowdown`` - 1) = 2 x the measured time of
 one step of an unhindered worker, so that its steps take 3x as long. A step is forward,
 backward and the exchange with the parameter holder (here the exchange costs more than the
-0.7 ms of compute); the step time is the median time between updates of an untimed
+compute); the step time is the median time between updates of an untimed
 warm-up ``sync`` fit of one epoch without a straggler (then a warm-up ``average`` fit: the
 first torch optimizer a worker process builds imports ``torch._dynamo``, about 1 s, which
 would otherwise land in the first timed ``average`` fit). The loss knows it runs
@@ -23,25 +32,30 @@ in the straggler from the key of the Dask task it is called in
 (``get_worker().get_current_task()``; the trainer names its tasks
 ``dasktrain-trainer-<rank>-epoch-<epoch>-...``): no global state, and the same loss object
 serves every worker; ``Trainer.evaluate`` on the driver runs in no task and never sleeps.
-Sleeping releases the CPU, as a slow GPU or a slow node would. The run checks the straggler
-took effect: in ``async`` it makes nearly all of the last gradients of each epoch.
+Sleeping releases the CPU, as a slow GPU or a slow node would. The run reports the
+straggler's share of the last quarter of each epoch's gradients in ``async``, to show it
+took effect.
 
 For every mode (defaults first, then the options of :mod:`dasktrain.trainer.modes.adjust`:
-staleness-scaled learning rate, delay compensation DC-ASGD with constant and adaptive λ),
-without and with the straggler, one configuration after the other (so both see the same
-load on the machine): wall time from the call to ``fit`` and updates (and samples) until the
-smoothed training loss (sample-weighted mean of the update losses over the last
-``--window`` samples, so that 1-gradient and N-gradient updates are smoothed alike) first
-reaches the target, the final loss (mean cross-entropy of the final model on the whole
-training set; "diverged" when the fit stopped on a non-finite loss), mean / max staleness of
-the applied gradients, and the wall time of the whole fit. The target is
+staleness-scaled learning rate, delay compensation DC-ASGD with constant and adaptive λ;
+then ``async`` without its momentum compensation, and "as before": without it and at W
+times the rate, one full step per gradient, which is what ``async`` did before the rate
+became per global batch), without and with the straggler, one configuration after the
+other (so both see the same load on the machine): wall time from the call to ``fit`` and
+updates (and samples) until the smoothed training loss (sample-weighted mean of the update
+losses over the last ``--window`` samples, so that 1-gradient and N-gradient updates are
+smoothed alike) first reaches the target, the final loss (the loss of the final model on
+the whole training set; "diverged" when the fit stopped on a non-finite loss), mean / max
+staleness of the applied gradients, and the wall time of the whole fit. The target is
 ``--target-factor`` (1.1) x the smoothed loss ``sync`` without a straggler ends with (median
-over repeats); the same target for every run. ``--only LABEL...`` runs some configurations
-(``sync`` always runs, for the target), among them more than the default ones (``EXTRA``).
+over repeats); the same target for every run of one optimizer. ``--only LABEL...`` runs
+some configurations (``sync`` always runs, for the target), among them more than the
+default ones (``EXTRA``).
 
-Run: ``.venv/bin/python benchmarks/stragglers.py`` (``--epochs 4 --repeats 2``; medians of
-the repeats; about 3.5 minutes on 2 cores; ``--quick``: sync, average K=4 and async lr/(1+τ),
-2 epochs of 6,144 rows, once). ``dasktrain bench`` runs it among the others.
+Run: ``.venv/bin/python benchmarks/stragglers.py [--task wave]`` (``--epochs 4 --repeats
+2``; medians of the repeats; about 6 minutes on 2 cores for both optimizers; ``--quick``:
+sync, average K=4, async, async lr/(1+τ) and async as before, 2 epochs of 6,144 rows,
+once). ``dasktrain bench`` runs it among the others.
 """
 
 from __future__ import annotations
@@ -68,12 +82,21 @@ from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 ROWS, FEATURES, CLASSES, HIDDEN, BATCH = 24_576, 32, 10, 128, 128
+WAVE_FEATURES, WAVE_HIDDEN = 8, 64
 WORKERS = 3
 MOMENTUM = 0.9
+OPTIMIZERS = ("sgd", "adam")
+TASKS = ("teacher", "wave")
+# The learning rate of each task and optimizer, where ``sync`` trains well (one step per
+# global batch of 3 x 128): see the module's docstring.
+LR = {("teacher", "sgd"): 0.2, ("teacher", "adam"): 0.02,
+      ("wave", "sgd"): 0.2, ("wave", "adam"): 0.02}
+LR_FACTOR = "lr_factor"  # a key of a configuration's options: run at lr x this
 _RANK = re.compile(r"dasktrain-trainer-(\d+)-epoch-")
 
-# (label, mode, options): every mode at its default-ish settings, then the stale-gradient
-# options (staleness-scaled learning rate, delay compensation) on the modes that take them.
+# (label, mode, options): every mode at its default settings, then the stale-gradient
+# options (staleness-scaled learning rate, delay compensation) on the modes that take them,
+# then the momentum compensation off, and off with the step per gradient of before.
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("sync", "sync", {}),
     ("average K=4", "average", {"average_every": 4}),
@@ -87,6 +110,8 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("soft S=2 lr/(1+τ)", "soft", {"wait_for": WORKERS - 1, "staleness_lr": "inverse"}),
     ("ssp s=2 DC-a λ=32", "ssp", {"staleness_bound": 2, "dc_lambda": 32.0,
                                   "dc_adaptive": True}),
+    ("async, no compensation", "async", {"momentum_compensation": False}),
+    ("async, as before", "async", {"momentum_compensation": False, LR_FACTOR: WORKERS}),
 ]
 # More, run only when named in --only (to keep the default run short).
 EXTRA: list[tuple[str, str, dict[str, Any]]] = [
@@ -99,13 +124,27 @@ EXTRA: list[tuple[str, str, dict[str, Any]]] = [
     ("soft S=2 drop late", "soft", {"wait_for": WORKERS - 1, "late": "drop"}),
     ("average K=1", "average", {"average_every": 1}),
     ("average K=16", "average", {"average_every": 16}),
+    ("soft S=2, no compensation", "soft", {"wait_for": WORKERS - 1,
+                                           "momentum_compensation": False}),
+    ("ssp s=2, no compensation", "ssp", {"staleness_bound": 2,
+                                         "momentum_compensation": False}),
+    ("soft S=2, as before", "soft", {"wait_for": WORKERS - 1, "momentum_compensation": False,
+                                     LR_FACTOR: WORKERS / (WORKERS - 1)}),
+    ("ssp s=2, as before", "ssp", {"staleness_bound": 2, "momentum_compensation": False,
+                                   LR_FACTOR: WORKERS}),
 ]
-QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144, "only": ["average K=4", "async lr/(1+τ)"]}
+QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144,
+         "only": ["average K=4", "async", "async lr/(1+τ)", "async, as before"]}
 
 
-def student(kind: str = "mlp") -> torch.nn.Module:
-    """The network trained (``"linear"``: softmax regression, a convex contrast)."""
+def student(task: str = "teacher", kind: str = "mlp") -> torch.nn.Module:
+    """The network trained: for ``teacher`` an MLP (``kind="linear"``: softmax regression, a
+    convex contrast), for ``wave`` a ReLU MLP with one output."""
     torch.manual_seed(0)  # the holder builds it once: every run starts from the same weights
+    if task == "wave":
+        return torch.nn.Sequential(torch.nn.Linear(WAVE_FEATURES, WAVE_HIDDEN), torch.nn.ReLU(),
+                                   torch.nn.Linear(WAVE_HIDDEN, WAVE_HIDDEN), torch.nn.ReLU(),
+                                   torch.nn.Linear(WAVE_HIDDEN, 1))
     if kind == "linear":
         return torch.nn.Linear(FEATURES, CLASSES)
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
@@ -113,12 +152,20 @@ def student(kind: str = "mlp") -> torch.nn.Module:
                                torch.nn.Linear(HIDDEN, CLASSES))
 
 
-def make_data(directory: Path, client: Client, rows: int = ROWS) -> dt.Dataset:
+def make_data(directory: Path, client: Client, rows: int = ROWS, task: str = "teacher"
+              ) -> dt.Dataset:
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((rows, FEATURES), dtype=np.float32)
-    w1 = rng.standard_normal((FEATURES, 64)) * 2 / np.sqrt(FEATURES)
-    w2 = rng.standard_normal((64, CLASSES)) / np.sqrt(64)
-    y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
+    if task == "wave":
+        # A smooth non-linear target: two products of waves along random directions.
+        x = rng.standard_normal((rows, WAVE_FEATURES), dtype=np.float32)
+        a, b, c = rng.standard_normal((3, WAVE_FEATURES)) / np.sqrt(WAVE_FEATURES)
+        y = (np.sin(2 * x @ a) * np.cos(x @ b) + 0.5 * np.tanh(2 * x @ c))[:, None]
+        y = y.astype(np.float32)
+    else:
+        x = rng.standard_normal((rows, FEATURES), dtype=np.float32)
+        w1 = rng.standard_normal((FEATURES, 64)) * 2 / np.sqrt(FEATURES)
+        w2 = rng.standard_normal((64, CLASSES)) / np.sqrt(64)
+        y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
     np.save(directory / "x.npy", x)
     np.save(directory / "y.npy", y)
     return dt.prepare(directory / "x.npy", directory / "w3.zarr", client=client,
@@ -126,17 +173,22 @@ def make_data(directory: Path, client: Client, rows: int = ROWS) -> dt.Dataset:
 
 
 class StragglerLoss:
-    """Cross-entropy; in the trainer worker of rank ``slow_rank`` it then sleeps ``delay_s``.
+    """Cross-entropy (``task="wave"``: mean squared error); in the trainer worker of rank
+    ``slow_rank`` it then sleeps ``delay_s``.
 
     Defined at module level so that it pickles to the workers. The rank comes from the key of
     the Dask task the loss is called in (a trainer worker's task; anywhere else, e.g. in
     ``Trainer.evaluate`` on the driver, there is no task and no sleep)."""
 
-    def __init__(self, slow_rank: int | None = None, delay_s: float = 0.0) -> None:
-        self.slow_rank, self.delay_s = slow_rank, delay_s
+    def __init__(self, slow_rank: int | None = None, delay_s: float = 0.0,
+                 task: str = "teacher") -> None:
+        self.slow_rank, self.delay_s, self.task = slow_rank, delay_s, task
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = torch.nn.functional.cross_entropy(output, target)
+        if self.task == "wave":
+            loss = torch.nn.functional.mse_loss(output, target.reshape(output.shape))
+        else:
+            loss = torch.nn.functional.cross_entropy(output, target)
         if self.slow_rank is not None and self.delay_s > 0 and _rank() == self.slow_rank:
             time.sleep(self.delay_s)
         return loss
@@ -164,13 +216,21 @@ def smoothed(history: dt.History, window: int) -> np.ndarray:
     return (weighted[ends] - weighted[starts]) / (counted[ends] - counted[starts])
 
 
+def optimizer_config(name: str, lr: float) -> dt.optim.OptimizerConfig:
+    """SGD with momentum 0.9, or Adam (its first beta is 0.9 too)."""
+    return dt.optim.sgd(lr, momentum=MOMENTUM) if name == "sgd" else dt.optim.adam(lr)
+
+
 def fit(client: Client, data: dt.Dataset, mode: str, options: dict[str, Any], lr: float,
-        epochs: int, loss: StragglerLoss, model: str = "mlp"
+        epochs: int, loss: StragglerLoss, model: str = "mlp", optimizer: str = "sgd"
         ) -> tuple[dt.History, float, float]:
     """One fit; returns its History, its start (wall clock) and the final model's loss."""
-    trainer = dt.Trainer(functools.partial(student, model), loss,
-                         dt.optim.sgd(lr, momentum=MOMENTUM), mode=mode, workers=WORKERS,
-                         batch_size=BATCH, progress=False, torch_threads=1, **options)
+    options = dict(options)
+    lr *= options.pop(LR_FACTOR, 1)
+    trainer = dt.Trainer(functools.partial(student, loss.task, model), loss,
+                         optimizer_config(optimizer, lr), mode=mode, workers=WORKERS,
+                         batch_size=BATCH, progress=False, torch_threads=1,
+                         mode_options=options)
     started = time.time()
     try:
         history = trainer.fit(data, epochs=epochs, client=client)
@@ -206,15 +266,17 @@ def step_time(history: dt.History) -> float:
     return float(np.median(gaps))
 
 
-def per_batch_compute(kind: str) -> float:
+def per_batch_compute(task: str, kind: str) -> float:
     """Forward + backward of one batch on this process, 1 thread (for the record)."""
-    model, x = student(kind), torch.randn(BATCH, FEATURES)
-    y = torch.randint(0, CLASSES, (BATCH,))
+    model = student(task, kind)
+    x = torch.randn(BATCH, WAVE_FEATURES if task == "wave" else FEATURES)
+    y = torch.randn(BATCH, 1) if task == "wave" else torch.randint(0, CLASSES, (BATCH,))
+    loss = StragglerLoss(task=task)
     times = []
     for _ in range(50):
         t0 = time.perf_counter()
         model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss(model(x), y).backward()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[10:])
 
@@ -250,25 +312,22 @@ def reading(table: dict[tuple[str, bool], dict[str, Any]],
         ranked = ", ".join(f"{lab} {t:.2f} s" for t, lab in reached)
         lines.append(f"* {name} the straggler, to target: {ranked or 'none reached it'}"
                      + (f"; never reached: {', '.join(missed)}" if missed else "") + ".")
+    diverged = [f"{lab}{' (with the straggler)' if straggler else ''}"
+                for lab in labels for straggler in (False, True)
+                if math.isinf(table[(lab, straggler)]["final_loss"])]
+    lines.append(f"* diverged: {', '.join(diverged) if diverged else 'none'}.")
     walls = {lab: table[(lab, True)]["wall_s"] for lab in labels
              if math.isfinite(table[(lab, True)]["final_loss"]) or lab == "sync"}
     lines.append(f"* fit wall time with the straggler: {min(walls.values()):.2f} to "
-                 f"{max(walls.values()):.2f} s across the modes that did not diverge (sync "
+                 f"{max(walls.values()):.2f} s across the runs that did not diverge (sync "
                  f"{walls['sync']:.2f} s, "
-                 f"{walls['sync'] / table[('sync', False)]['wall_s']:.2f}x its time without). "
-                 "Every worker has a fixed 1/N shard of each epoch, so no mode ends an epoch "
-                 "before the straggler has done its shard: soft and async, which do not wait "
-                 "for it, only move the fast workers' updates earlier in the epoch, after "
-                 "which the straggler trains alone; ssp lets the others run s clocks ahead of "
-                 "it, no more.")
+                 f"{walls['sync'] / table[('sync', False)]['wall_s']:.2f}x its time "
+                 "without).")
     better = [lab for lab in labels
               if table[(lab, True)]["final_loss"] < 0.95 * table[(lab, False)]["final_loss"]]
     if better:
         lines.append(f"* final loss clearly lower with the straggler than without: "
-                     f"{', '.join(better)}: their gradients are less stale with it (see the "
-                     "staleness column): in async and soft the straggler trains alone, on "
-                     "fresh parameters, once the fast workers are through their shards; in ssp "
-                     "the bound holds the fast workers back to its pace.")
+                     f"{', '.join(better)} (compare the staleness columns).")
     best = min(labels, key=lambda lab: table[(lab, True)]["final_loss"])
     lines.append(f"* lowest final loss with the straggler: {best} "
                  f"({_loss(table[(best, True)]['final_loss'])}; sync "
@@ -306,7 +365,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rows", type=int, default=ROWS,
                         help=f"rows of the training set (default {ROWS:,})")
-    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--task", choices=TASKS, default="teacher",
+                        help="teacher (default: teacher-student classification) or wave (a "
+                        "ReLU MLP regressing a non-linear function)")
+    parser.add_argument("--optimizer", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS),
+                        help="SGD with momentum 0.9 and/or Adam (default: both, one after "
+                        "the other)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate of every optimizer run (default: the task's and "
+                        f"optimizer's, {', '.join(f'{t} {o} {v:g}' for (t, o), v in LR.items())})")
     parser.add_argument("--slow-rank", type=int, default=WORKERS - 1)
     parser.add_argument("--slowdown", type=float, default=3.0,
                         help="how many times slower the straggler's steps are (default 3)")
@@ -314,90 +381,78 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
                         help="samples in the training-loss smoothing window (default 3072)")
     parser.add_argument("--target-factor", type=float, default=1.1)
     parser.add_argument("--model", choices=("mlp", "linear"), default="mlp",
-                        help="mlp (default, non-convex) or linear (softmax regression, convex)")
+                        help="teacher task: mlp (default, non-convex) or linear (softmax "
+                        "regression, convex)")
     parser.add_argument("--only", nargs="*", default=None,
                         help="labels of the configurations to run (default: all but the "
                         "extra ones)")
     args = parse_with_quick(parser, argv, QUICK,
-                            "seconds, not minutes: sync, average K=4 and async lr/(1+τ), 2 "
-                            "epochs of 6,144 rows, once (rough figures)")
+                            "seconds, not minutes: sync, average K=4, async, async lr/(1+τ) "
+                            "and async as before, 2 epochs of 6,144 rows, once (rough "
+                            "figures)")
     return parser, args
 
 
 def ratios(table: dict[tuple[str, bool], dict[str, Any]],
-           configs: list[tuple[str, str, dict[str, Any]]], slowdown: float) -> list[Ratio]:
+           configs: list[tuple[str, str, dict[str, Any]]], slowdown: float, name: str
+           ) -> list[Ratio]:
     """The summary rows: what the straggler costs ``sync``, then each other mode's time to
     the target with the straggler against ``sync``'s (W3 sets no goal: it reports)."""
     sync, calm = table[("sync", True)], table[("sync", False)]
-    rows = [Ratio(workload=f"W3 sync, one worker {slowdown:g}x slower: fit wall time (s)",
-                  ours=f"{sync['wall_s']:.2f}", baseline=f"{calm['wall_s']:.2f} (no straggler)",
+    rows = [Ratio(workload=f"W3 {name} sync, one worker {slowdown:g}x slower: fit wall time "
+                  "(s)", ours=f"{sync['wall_s']:.2f}",
+                  baseline=f"{calm['wall_s']:.2f} (no straggler)",
                   ratio=ratio_of(sync["wall_s"], calm["wall_s"]))]
     for label, _, _ in configs:
         if label == "sync":
             continue
         mine = table[(label, True)]
         rows.append(Ratio(
-            workload=f"W3 {label}, one worker {slowdown:g}x slower: time to target (s)",
+            workload=f"W3 {name} {label}, one worker {slowdown:g}x slower: time to target (s)",
             ours=_fmt(mine["to_target_s"], ".2f") + mine["reached"],
             baseline=f"{_fmt(sync['to_target_s'], '.2f')} (sync)",
             ratio=ratio_of(mine["to_target_s"], sync["to_target_s"])))
     return rows
 
 
-def main() -> None:
-    parser, args = parse_args()
-    if not 0 <= args.slow_rank < WORKERS:
-        parser.error(f"--slow-rank must be in [0, {WORKERS})")
-    torch.set_num_threads(1)
-    configs = [c for c in CONFIGS + EXTRA if c[0] in args.only] if args.only else CONFIGS
-    unknown = set(args.only or ()) - {c[0] for c in CONFIGS + EXTRA}
-    if unknown:
-        parser.error(f"unknown configuration(s) {sorted(unknown)}; known: "
-                     f"{[c[0] for c in CONFIGS + EXTRA]}")
-    if not configs or configs[0][0] != "sync":
-        configs = [CONFIGS[0], *[c for c in configs if c[0] != "sync"]]
-    compute_s = per_batch_compute(args.model)
-    results: dict[tuple[str, bool], list[tuple[dt.History, float, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, \
-            LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
-                         **NO_DASHBOARD) as cluster, \
-            Client(cluster) as client:
-        data = make_data(Path(tmp), client, args.rows)
-        t0 = time.perf_counter()
-        warm, _, _ = fit(client, data, "sync", {}, args.lr, 1, StragglerLoss(), args.model)
-        step_s = step_time(warm)
-        # The first torch optimizer a process builds imports torch._dynamo (about 1 s): in
-        # ``average`` the workers build one, so warm that up too, untimed.
-        fit(client, data, "average", {}, args.lr, 1, StragglerLoss(), args.model)
-        delay_s = (args.slowdown - 1) * step_s
-        print(f"per-batch forward+backward {compute_s * 1e3:.2f} ms; unhindered sync step "
-              f"{step_s * 1e3:.2f} ms (warm-up fits {time.perf_counter() - t0:.1f} s); the "
-              f"straggler (rank {args.slow_rank}) sleeps {delay_s * 1e3:.2f} ms per batch",
-              flush=True)
-        # Each configuration without, then with the straggler, next to each other: both
-        # see the same load on the machine.
-        for _ in range(args.repeats):
-            for label, mode, options in configs:
-                for straggler in (False, True):
-                    loss = StragglerLoss(args.slow_rank, delay_s) if straggler \
-                        else StragglerLoss()
-                    run = fit(client, data, mode, options, args.lr, args.epochs, loss,
-                              args.model)
-                    results.setdefault((label, straggler), []).append(run)
-                    h = run[0]
-                    print(f"  {label:20s} straggler={straggler!s:5s} {h.wall_time:6.2f} s, "
-                          f"{h.updates} updates, final loss {run[2]:.4f}", flush=True)
+Runs = dict[tuple[str, bool], list[tuple[dt.History, float, float]]]
+
+
+def run_configs(client: Client, data: dt.Dataset, args: argparse.Namespace, optimizer: str,
+                lr: float, configs: list[tuple[str, str, dict[str, Any]]], delay_s: float
+                ) -> Runs:
+    """Every configuration without, then with the straggler, next to each other (both see
+    the same load on the machine), ``args.repeats`` times."""
+    results: Runs = {}
+    for _ in range(args.repeats):
+        for label, mode, options in configs:
+            for straggler in (False, True):
+                loss = StragglerLoss(args.slow_rank if straggler else None, delay_s, args.task)
+                run = fit(client, data, mode, options, lr, args.epochs, loss, args.model,
+                          optimizer)
+                results.setdefault((label, straggler), []).append(run)
+                h = run[0]
+                print(f"  {label:26s} straggler={straggler!s:5s} {h.wall_time:6.2f} s, "
+                      f"{h.updates} updates, final loss {run[2]:.4f}", flush=True)
+    return results
+
+
+def report(results: Runs, args: argparse.Namespace, optimizer: str, lr: float,
+           configs: list[tuple[str, str, dict[str, Any]]]) -> dict[tuple[str, bool],
+                                                                   dict[str, Any]]:
+    """Print the table of one optimizer's runs and what it reads; returns the table."""
     sync_end = statistics.median(smoothed(h, args.window)[-1]
                                  for h, _, _ in results[("sync", False)])
     target = args.target_factor * sync_end
     table = {key: summarise([measure(h, s, f, target, args.window) for h, s, f in runs])
              for key, runs in results.items()}
-
+    described = (f"SGD lr {lr:g} momentum {MOMENTUM:g}" if optimizer == "sgd"
+                 else f"Adam lr {lr:g} betas (0.9, 0.999)")
     print(f"\nTarget: smoothed training loss <= {target:.4f} ({args.target_factor:g} x the "
           f"{sync_end:.4f} sync ends with, no straggler). {WORKERS} workers, batch {BATCH} "
-          f"each, {args.epochs} epochs of {args.rows} rows, {args.model}, SGD lr {args.lr:g} "
-          f"momentum {MOMENTUM:g}; straggler: rank {args.slow_rank}, {args.slowdown:g}x "
-          "slower.\n")
+          f"each, {args.epochs} epochs of {args.rows} rows, {args.task}"
+          f"{f' {args.model}' if args.task == 'teacher' else ''}, {described}; straggler: "
+          f"rank {args.slow_rank}, {args.slowdown:g}x slower.\n")
     print("| mode | straggler | time to target (s) | updates (k samples) to target | final loss "
           "| mean / max staleness | fit wall (s) | x slower with it: to target, fit |")
     print("|---|---|---|---|---|---|---|---|")
@@ -421,10 +476,58 @@ def main() -> None:
                                   for h, _, _ in results[("async", True)])
         print(f"\nStraggler check: in async with the straggler, {share:.0%} of the last quarter "
               f"of each epoch's gradients came from rank {args.slow_rank} (1/{WORKERS} if all "
-              "ran at the same speed; the fast workers have finished their shards by then).")
+              "ran at the same speed).")
     print("\n" + reading(table, configs))
+    return table
+
+
+def main() -> None:
+    parser, args = parse_args()
+    if not 0 <= args.slow_rank < WORKERS:
+        parser.error(f"--slow-rank must be in [0, {WORKERS})")
+    if args.task == "wave" and args.model != "mlp":
+        parser.error("--model linear is a variant of the teacher task")
+    torch.set_num_threads(1)
+    configs = [c for c in CONFIGS + EXTRA if c[0] in args.only] if args.only else CONFIGS
+    unknown = set(args.only or ()) - {c[0] for c in CONFIGS + EXTRA}
+    if unknown:
+        parser.error(f"unknown configuration(s) {sorted(unknown)}; known: "
+                     f"{[c[0] for c in CONFIGS + EXTRA]}")
+    if not configs or configs[0][0] != "sync":
+        configs = [CONFIGS[0], *[c for c in configs if c[0] != "sync"]]
+    compute_s = per_batch_compute(args.task, args.model)
+    rows: list[Ratio] = []
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
+                         **NO_DASHBOARD) as cluster, \
+            Client(cluster) as client:
+        data = make_data(Path(tmp), client, args.rows, args.task)
+        t0 = time.perf_counter()
+        first = args.optimizer[0]
+        first_lr = args.lr or LR[(args.task, first)]
+        warm, _, _ = fit(client, data, "sync", {}, first_lr, 1, StragglerLoss(task=args.task),
+                         args.model, first)
+        step_s = step_time(warm)
+        # The first torch optimizer a process builds imports torch._dynamo (about 1 s): in
+        # ``average`` the workers build one, so warm that up too, untimed.
+        fit(client, data, "average", {}, first_lr, 1, StragglerLoss(task=args.task),
+            args.model, first)
+        delay_s = (args.slowdown - 1) * step_s
+        print(f"per-batch forward+backward {compute_s * 1e3:.2f} ms; unhindered sync step "
+              f"{step_s * 1e3:.2f} ms (warm-up fits {time.perf_counter() - t0:.1f} s); the "
+              f"straggler (rank {args.slow_rank}) sleeps {delay_s * 1e3:.2f} ms per batch",
+              flush=True)
+        for optimizer in args.optimizer:
+            lr = args.lr or LR[(args.task, optimizer)]
+            print(f"\n## {optimizer}, lr {lr:g}", flush=True)
+            results = run_configs(client, data, args, optimizer, lr, configs, delay_s)
+            table = report(results, args, optimizer, lr, configs)
+            name = {"sgd": "SGD", "adam": "Adam"}[optimizer]
+            if args.task != "teacher":
+                name = f"{args.task} {name}"
+            rows.extend(ratios(table, configs, args.slowdown, name))
     if args.ratios_json:
-        write_ratios(args.ratios_json, ratios(table, configs, args.slowdown))
+        write_ratios(args.ratios_json, rows)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dasktrain.pipeline.fetch import Tensors
 from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.submit import Submitted, Submitter, forget_windows, release
+from dasktrain.pipeline.tasks import EpochContext
 
 __all__ = ["Feeder", "Queued"]
 
@@ -57,13 +58,21 @@ class Feeder:
         How to submit, the prefetch bound, and the counters of units in flight.
     plan_for
         Plans another epoch, for a head start into the next one; None: no head start.
+    claim
+        Work claimed on demand instead of ``units``: called (on the feeder's thread, with
+        the event that says the consumer stopped) for the next unit once ``budget`` has a
+        slot free (each unit takes 1), None when the epoch has no more for this consumer.
     """
 
     def __init__(self, plan: EpochPlan, units: list[Unit], carried: HeadStart | None,
                  submitter: Submitter, budget: PrefetchBudget, stats: PipelineStats, *,
-                 plan_for: Callable[[int], EpochPlan] | None) -> None:
+                 plan_for: Callable[[int], EpochPlan] | None,
+                 claim: Callable[[threading.Event], Unit | None] | None = None) -> None:
         self._plan = plan
         self._units = units
+        self._claim = claim
+        self.handed: list[Unit] = []
+        """The units queued so far, in order (the consumer reads the one it is given)."""
         self._carried = carried
         self._submitter = submitter
         self._budget = budget
@@ -82,9 +91,14 @@ class Feeder:
     def next_unit(self, timeout: float) -> Queued | None:
         """The next unit in order, or None once the epoch is all handed over."""
         try:
-            # Submission is quick, so the feeder answers well within the timeout; the
-            # fetch itself waits with a deadline and a liveness check.
-            item = self._queue.get(timeout=timeout)
+            if self._claim is not None:
+                # A claim may wait long for work (others hold the rest of the epoch); each
+                # of its calls has its own deadline, so the thread's life is the check.
+                item = self._get_while_alive()
+            else:
+                # Submission is quick, so the feeder answers well within the timeout; the
+                # fetch itself waits with a deadline and a liveness check.
+                item = self._queue.get(timeout=timeout)
         except queue.Empty:
             raise PipelineError(f"the pipeline's feeder gave nothing for {timeout:.0f}s in "
                                 f"epoch {self._plan.epoch}") from None
@@ -92,6 +106,15 @@ class Feeder:
             raise PipelineError(f"submitting work for epoch {self._plan.epoch} failed: "
                                 f"{item}") from item
         return item
+
+    def _get_while_alive(self) -> Queued | BaseException | None:
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise PipelineError(f"the pipeline's feeder of epoch {self._plan.epoch} "
+                                        "ended without a word") from None
 
     def finish(self, completed: bool) -> HeadStart | None:
         """End the iteration: the head start into the next epoch, if the feeder made one
@@ -142,6 +165,8 @@ class Feeder:
         queued = 0
         try:
             context = submitter.context(plan)
+            if self._claim is not None:
+                return self._feed_claimed(fetcher, context)
             for i, unit in enumerate(self._units):
                 if i < len(carried):
                     future = carried[i][1]
@@ -151,6 +176,7 @@ class Feeder:
                     future = submitter.submit(context, plan, unit, windows)
                     self._stats.add_in_flight(1)
                 forget_windows(windows, unit.window)
+                self.handed.append(unit)
                 self._queue.put((future, submitter.fetched(future, plan, unit, fetcher)))
                 queued = i + 1
             return True
@@ -162,6 +188,28 @@ class Feeder:
             for _, future in carried[queued:]:  # never handed to the consumer
                 release(future)
                 self._stats.add_in_flight(-1)
+
+    def _feed_claimed(self, fetcher: concurrent.futures.ThreadPoolExecutor,
+                      context: EpochContext) -> bool:
+        """:meth:`_feed` for work claimed on demand: claim a unit only when a prefetch slot
+        is free, so that a slow consumer holds few units nobody else can take."""
+        assert self._claim is not None
+        plan, submitter = self._plan, self._submitter
+        windows: dict = {}
+        while self._budget.take(1, self._stop):
+            try:
+                unit = self._claim(self._stop)
+            except BaseException:
+                self._budget.release(1)
+                raise
+            if unit is None:
+                self._budget.release(1)
+                return not self._stop.is_set()
+            future = submitter.submit(context, plan, unit, windows)
+            self._stats.add_in_flight(1)
+            self.handed.append(unit)
+            self._queue.put((future, submitter.fetched(future, plan, unit, fetcher)))
+        return False
 
     # -- either side, whichever owns the end -------------------------------------------
     def _take_back(self) -> None:

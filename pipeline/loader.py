@@ -5,6 +5,10 @@ This module is the façade and the consumer's side of an epoch; the feeder threa
 submits (:mod:`~dasktrain.pipeline.feeder`), the head start into the next epoch
 (:mod:`~dasktrain.pipeline.ahead`), submission (:mod:`~dasktrain.pipeline.submit`) and the
 hand-off of batches (:mod:`~dasktrain.pipeline.fetch`) live beside it.
+
+:class:`Pipeline` stays one piece of some 410 lines: an iteration by rank and one of work
+claimed on demand share the consumer's loop, and with the plan, the resume state and the
+head start into the next epoch they read and move the same epoch position.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -321,16 +326,51 @@ class Pipeline:
         while units and skip >= len(units[0].batches):  # resume: whole units already consumed
             skip -= len(units[0].batches)
             units.pop(0)
-        submitter = self._submitter()
         ahead = self._take_ahead(epoch, units)
-        stats = self.stats
-        stats.start_epoch()
         carried = ahead.rows if ahead is not None else 0
         budget = PrefetchBudget(
             max(self.prefetch * self.shuffle_blocks * self.block_rows - carried, 0))
         # The head start, if any, is the feeder's from here on.
-        feeder = Feeder(plan, units, ahead, submitter, budget, stats,
-                        plan_for=self.plan if self.prefetch_next_epoch else None)
+        for _, batch in self._run(plan, budget, lambda unit: unit_rows(plan, unit), skip,
+                                  units=units, ahead=ahead):
+            yield batch
+
+    def claiming(self, claim: Callable[[threading.Event], range | None], *,
+                 ahead: int = 2) -> Generator[tuple[int, Batch], None, None]:
+        """One epoch of work claimed on demand: ``(global batch index, batch)`` pairs.
+
+        ``claim(stop)`` is called on the pipeline's feeder thread for the next run of
+        consecutive global batches of :meth:`plan` to read (a range), or None once there is
+        no more for this consumer; it should return soon after ``stop`` is set (the consumer
+        stopped reading). At most ``ahead`` claimed runs are in flight or waiting to be
+        consumed, so a slow consumer holds little work that a faster one could have taken.
+        Claiming ignores ``rank`` and the resume position: whoever hands out the runs keeps
+        track of what is done (see :mod:`dasktrain.trainer.holder.ledger`).
+        """
+        if not isinstance(ahead, int) or ahead < 1:
+            raise ValueError(f"ahead must be a positive integer, got {ahead!r}")
+        plan = self.plan(self._epoch)
+        self._drop_ahead()
+
+        def unit_claim(stop: threading.Event) -> Unit | None:
+            run = claim(stop)
+            return None if run is None else plan.unit_of(run)
+
+        yield from self._run(plan, PrefetchBudget(ahead), lambda unit: 1, 0,
+                             claim=unit_claim)
+
+    def _run(self, plan: EpochPlan, budget: PrefetchBudget, cost: Callable[[Unit], int],
+             skip: int, *, units: list[Unit] | None = None, ahead: HeadStart | None = None,
+             claim: Callable[[threading.Event], Unit | None] | None = None
+             ) -> Iterator[tuple[int, Batch]]:
+        """The consumer's side of one epoch: ``(global batch, batch)`` of the units the
+        feeder queues (``units``, or those it claims), from batch ``skip`` of the first."""
+        epoch = plan.epoch
+        stats = self.stats
+        stats.start_epoch()
+        feeder = Feeder(plan, units or [], ahead, self._submitter(), budget, stats,
+                        plan_for=self.plan if self.prefetch_next_epoch and claim is None
+                        else None, claim=claim)
         feeder.start()
         completed = False
         held = None  # the unit being used up: the consumer's from the queue until it is
@@ -341,18 +381,19 @@ class Pipeline:
                 held = feeder.next_unit(self.timeout)
                 if held is None:
                     break
-                for tensors in self._batches_of(held[1], plan, units[done])[skip:]:
+                unit = feeder.handed[done]
+                for i, tensors in enumerate(self._batches_of(held[1], plan, unit)[skip:]):
                     batch = self._deliver(tensors)
                     rows = len(next(iter(tensors.values())))
                     stats.record_batch(time.perf_counter() - started, rows,
                                        sum(t.nbytes for t in tensors.values()))
                     self._position += 1
-                    yield batch
+                    yield unit.batches[skip + i], batch
                     started = time.perf_counter()
                 held, skip = None, 0
                 stats.blocks_done += 1
                 stats.add_in_flight(-1)
-                budget.release(unit_rows(plan, units[done]))
+                budget.release(cost(unit))
                 done += 1
             completed = True
         finally:

@@ -18,7 +18,10 @@ a task stays short whatever the block size; with ``ramp``, the first windows of 
 are smaller still (1, 2, 4, ... pieces) so that the first batch waits for one piece of
 transform work, not a whole group's.
 
-Rank ``r`` of ``world_size`` takes global batches ``r, r + W, r + 2W, ...``: every sample is
+Work is handed out in one of two ways. Claimed on demand (:meth:`EpochPlan.unit_of`, for a
+trainer's asynchronous modes), a run of consecutive global batches is one unit, whoever
+takes it. Or by rank:
+rank ``r`` of ``world_size`` takes global batches ``r, r + W, r + 2W, ...``: every sample is
 seen once per epoch across ranks, and step ``k`` of W ranks together covers exactly global
 batches ``kW .. kW + W - 1`` whatever W is. Nothing depends on the cluster or on which worker
 computes what.
@@ -218,6 +221,27 @@ class EpochPlan:
                               touched == (window,)
                               and set(self.window_batches(window)) <= set(batches)))
         return units
+
+    def unit_of(self, batches: range) -> Unit:
+        """The unit of a run of consecutive global ``batches`` (work claimed on demand, see
+        :meth:`dasktrain.pipeline.Pipeline.claiming`), whatever rank takes it."""
+        if not batches or batches.step != 1 or batches.start < 0 \
+                or batches.stop > self.num_batches:
+            raise ValueError(f"{batches} is not a run of this epoch's {self.num_batches} "
+                             "batches")
+        pieces = tuple(self.batch_pieces(b) for b in batches)
+        window = pieces[0][0].window
+        touched = tuple(sorted({p.window for per in pieces for p in per}))
+        exclusive = touched == (window,) and self.window_batches(window) == batches
+        return Unit(window, touched, tuple(batches), pieces, exclusive)
+
+    def claim_bounds(self) -> list[int]:
+        """The first global batch of each window's run (batches that start in one window):
+        work claimed on demand is cut at these, so a claim reads as few windows as it can."""
+        offsets = self.window_offsets
+        first = -(-offsets[:-1] // self.batch_size)  # the first batch starting in each
+        after = -(-offsets[1:] // self.batch_size)
+        return [int(b) for b in first[(first < after) & (first < self.num_batches)]]
 
     def window_batches(self, window: int) -> range:
         """Global batches with rows in ``window``."""

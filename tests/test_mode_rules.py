@@ -347,7 +347,10 @@ def test_staleness_lr_scales_adam_steps_like_adam_at_that_rate():
     async def scenario():
         config = HolderConfig(model=functools.partial(zeros, 6),
                               optimizer=dt.optim.adam(0.1), workers=2, mode="async",
-                              mode_options={"staleness_lr": "inverse"})
+                              # Adam's first beta as given: the rule alone is checked here
+                              # (tests/test_async_lr.py checks the compensation).
+                              mode_options={"staleness_lr": "inverse",
+                                            "momentum_compensation": False})
         holder = ParameterHolder(config)
         for w in range(2):
             await holder.join(w, None, holder.layout)
@@ -414,11 +417,12 @@ def regression(client, tmp_path_factory):
 def _slow_fit(client, data, mode, delay=0.03, epochs=1, **options):
     addresses = sorted(worker_info(client))
     assert len(addresses) == 2
-    # The holder and trainer worker 0 on the first process; worker 1 on the slow one.
+    # The holder and trainer worker 0 on the first process; worker 1 on the slow one. Each
+    # owns half the epoch (a static stride), so the fast one must wait, or run ahead.
     trainer = dt.Trainer(mlp, functools.partial(slow_on, address=addresses[1], delay=delay),
                          dt.optim.sgd(0.05), mode=mode, workers=2, batch_size=BATCH,
                          holder_worker=addresses[0], progress=False, timeout=60,
-                         barrier_timeout=30, **options)
+                         barrier_timeout=30, assignment="static", **options)
     history = trainer.fit(data, epochs=epochs, client=client)
     for epoch in history.epochs:  # one worker with the holder, one on the slow process
         assert epoch["exchange_via"] == {"local": 1, "direct": 1}, epoch

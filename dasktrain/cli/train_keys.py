@@ -95,6 +95,8 @@ _DOCS: dict[str, dict[str, str]] = {
         "holder_worker": "address of the worker holding the parameters (default: most "
                          "memory)",
         "holder_shards": "actors the holder is split into, over the hosts (sync only)",
+        "assignment": "auto | dynamic | static: batches claimed on demand or a fixed "
+                      "stride per worker",
         "timeout": "seconds any single wait may take",
         "barrier_timeout": "seconds a sync step waits for a silent worker",
         "direct_channel": "push over a direct TCP connection to the holder",
@@ -116,6 +118,8 @@ _DOCS: dict[str, dict[str, str]] = {
         "dc_adaptive": "async/soft/ssp: adaptive DC-ASGD (needs dc_lambda)",
         "dc_momentum": "async/soft/ssp: running mean factor of adaptive DC-ASGD",
         "dc_eps": "async/soft/ssp: denominator term of adaptive DC-ASGD",
+        "momentum_compensation": "async/soft/ssp: lower the optimizer's momentum by the "
+                                 "momentum staleness adds",
     },
     "run": {
         "dir": "run directory (default: runs/<config name>; the --run-dir flag wins)",

@@ -41,6 +41,7 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float) -> dict
         # Per worker, so a report can show which replica waited on data or lagged.
         "per_worker": [
             {"worker": int(r["worker"]), "samples": int(r["samples"]),
+             "address": r.get("address"),  # the Dask worker it ran on
              "stall": float(r["stall"]),
              "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
              # Of the stall, the wait for the epoch's first batch (the pipeline starting).

@@ -33,6 +33,7 @@ from dasktrain.trainer.driver.run import FitRun
 from dasktrain.trainer.driver.settings import (
     TrainerSettings,
     check_loss_given,
+    resolve_assignment,
     saved_settings,
 )
 from dasktrain.trainer.errors import TrainingDiverged
@@ -116,6 +117,7 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
     state = (load_checkpoint(resume, storage_options=storage_options)
              if resume is not None else None)
     kind = mode_class(trainer.mode)
+    assignment = resolve_assignment(trainer.assignment, trainer.mode, trainer.holder_shards)
     per_epoch = [_plan(dataset, options, trainer.batch_size, e).num_batches
                  for e in range(epochs)]
     total_steps = sum(kind.planned_updates(b, trainer.workers, trainer.mode_options)
@@ -129,19 +131,22 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
     start = int(state["complete_epochs"]) if state else 0
     holder_config = HolderConfig(
         model=trainer._factory, optimizer=trainer.optimizer, workers=trainer.workers,
+        batch_size=trainer.batch_size,
         mode=trainer.mode, mode_options=trainer.mode_options, total_steps=total_steps,
         barrier_timeout=trainer.barrier_timeout, torch_threads=trainer.torch_threads,
         direct_channel=trainer.direct_channel, shared_memory=trainer.shared_memory,
         bucket_bytes=trainer.bucket_bytes,
         on_nonfinite=trainer.on_nonfinite,
         nonfinite_patience=trainer.nonfinite_patience, clip_grad_norm=trainer.clip_grad_norm,
-        clip_grad_value=trainer.clip_grad_value)
+        clip_grad_value=trainer.clip_grad_value, assignment=assignment,
+        elastic=trainer.min_workers < trainer.workers)
     worker_config = WorkerConfig(
         model=trainer._factory, compute=trainer.compute, data=dataset,
         workers=trainer.workers, batch_size=trainer.batch_size, pipeline_options=options,
         mode=trainer.mode, mode_options=trainer.mode_options, optimizer=trainer.optimizer,
         epoch_steps=epoch_steps, device=trainer.device, torch_threads=trainer.torch_threads,
-        timeout=trainer.timeout, clip=(trainer.clip_grad_norm, trainer.clip_grad_value))
+        timeout=trainer.timeout, clip=(trainer.clip_grad_norm, trainer.clip_grad_value),
+        assignment=assignment)
     trainer.history = history  # the run's own, growing: callbacks may read and add to it
     bar = _progress_bar(trainer, total_steps, initial=len(history.loss))
     started = time.perf_counter() - history.wall_time
@@ -161,7 +166,7 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
                                      "schedule_steps": schedule,
                                      "dataset": dataset_key(dataset)}},
                          history=history, progress=bar,
-                         storage_options=storage_options,
+                         storage_options=storage_options, min_workers=trainer.min_workers,
                          on_records=lambda records: [cb.on_update(trainer, records)
                                                      for cb in callbacks])
             trainer._current_run = run
@@ -212,6 +217,8 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         reports = run.run_epoch(epoch, fresh)
         trainer._load(run.parameters())
         record = epoch_record(epoch, reports, time.perf_counter() - epoch_started)
+        if run.worker_config.assignment == "dynamic":
+            record["batches_per_worker"] = dict(sorted(run.shares.items()))
         if validation is not None:
             record["validation"] = trainer.evaluate(validation, client=client)
         history.epochs.append(record)

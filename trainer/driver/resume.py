@@ -13,7 +13,7 @@ from typing import Any
 
 from dasktrain._durable import StorageOptions
 from dasktrain.datasets import Dataset
-from dasktrain.trainer.driver.settings import TrainerSettings, run_settings
+from dasktrain.trainer.driver.settings import TrainerSettings, resolve_assignment, run_settings
 from dasktrain.trainer.driver.update_log import UpdateLog, records_of
 from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.view.callbacks import Callback
@@ -55,7 +55,11 @@ def check_resumable(trainer: TrainerSettings, state: dict[str, Any], dataset: Da
     match the checkpoint's, named in the error if not. More (or fewer) epochs are
     allowed: the learning-rate schedule is then stretched to the new length, and a
     warning says what that does to the learning rate."""
-    mine, theirs = run_settings(trainer), state.get("trainer", {})
+    mine, theirs = run_settings(trainer), dict(state.get("trainer", {}))
+    if "assignment" in theirs:  # written as given ("auto"): compared as it resolved
+        theirs["assignment"] = resolve_assignment(
+            theirs["assignment"], theirs.get("mode", trainer.mode),
+            int(theirs.get("holder_shards", 1)))
     for key, value in mine.items():
         if key in theirs and theirs[key] != value:
             raise ValueError(f"cannot resume: the checkpoint was made with {key}="

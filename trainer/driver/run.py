@@ -5,7 +5,12 @@ actor, submits one worker task per trainer worker and epoch, and while they run 
 the holder for progress (a small message every half second), which also serves as the
 liveness check: a dead holder fails the fit at once with the checkpoint to resume from; a
 dead trainer worker is the holder's business (its barrier drops it) and Dask's (the task is
-rerun and rejoins).
+rerun and rejoins). How many trainer workers run, and where, is :mod:`.elastic`'s decision.
+
+:class:`FitRun` stays one piece of some 450 lines: its methods are the steps of one run
+that all read and move the same state (the holder's handle and liveness, the epoch's
+tasks, the progress and checkpoint marks polled from the holder), and the failure paths
+between them (a lost holder, a failed worker) need all of it at once.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from distributed.client import FutureCancelledError
 from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
 from dasktrain._durable import StorageOptions
+from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.driver.checkpoint import save_checkpoint
+from dasktrain.trainer.driver.elastic import WorkerPlaces
 from dasktrain.trainer.driver.update_log import UpdateLog
 from dasktrain.trainer.driver.watch import PauseWatch
 from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged
@@ -33,14 +40,17 @@ from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import HolderShards
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.holder.shards import shard_workers
+from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.view.history import History
 from dasktrain.trainer.worker.loop import WorkerConfig, WorkerFailure, run_worker
+from dasktrain.trainer.worker.retire import RetireWatch
 
 __all__ = ["FitRun"]
 
 logger = logging.getLogger(__name__)
 
 _POLL = 0.5  # seconds between progress polls of the holder
+_GATHER = 10.0  # seconds to fetch a finished task's report, in elastic runs
 
 
 class FitRun:
@@ -52,7 +62,8 @@ class FitRun:
                  checkpoint_extra: Callable[[], dict[str, Any]], history: History,
                  progress: Any,
                  on_records: Callable[[dict[str, list]], Any] | None = None,
-                 shards: int = 1, storage_options: StorageOptions | None = None) -> None:
+                 shards: int = 1, storage_options: StorageOptions | None = None,
+                 min_workers: int | None = None) -> None:
         self.client = client
         self.worker_config = worker_config
         self.timeout = timeout
@@ -73,10 +84,19 @@ class FitRun:
             self._log = UpdateLog(checkpoint, storage_options=storage_options)
             self._log.rewrite(history.records())
         self._pauses = PauseWatch(client)
+        self._plans: Pipeline | None = None
+        self.shares: dict[int, int] = {}  # batches of the epoch taken per worker (dynamic)
+        self.member_addresses: dict[int, str] = {}  # where each worker joined from
+        self.member_states: dict[int, str] = {}  # each worker's, as the holder sees it
+        self.work_left: int | None = None  # batches of the epoch not done (dynamic)
         workers = worker_info(client)
         if not workers:
             raise TrainerError("the Dask cluster has no workers")
         self.addresses = sorted(workers)
+        self._places = WorkerPlaces(client, min_workers or worker_config.workers,
+                                    worker_config.workers, self.addresses, timeout)
+        if self.grows:  # a retired worker's trainer then leaves before its process goes
+            client.register_plugin(RetireWatch())
         _warn_if_oversubscribed(worker_config, workers)
         self._gpu = any("GPU" in (w.get("resources") or {}) for w in workers.values())
         if holder_worker is not None and holder_worker not in workers:
@@ -151,18 +171,19 @@ class FitRun:
     # -- epochs ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, fresh: bool) -> list[dict[str, Any]]:
         """Run every worker's share of ``epoch``; returns their reports."""
-        self.call("begin_epoch", epoch, fresh)
-        config = self.worker_config
-        extra = {"resources": {"GPU": 1}} if self._gpu else {}
-        futures = [
-            self.client.submit(run_worker, config, self.holder, w, epoch, pure=False,
-                               key=f"dasktrain-trainer-{w}-epoch-{epoch}-{time.time_ns()}",
-                               workers=[self.addresses[w % len(self.addresses)]],
-                               allow_other_workers=True, **extra)
-            for w in range(config.workers)
-        ]
+        present, changed = self._places.start(epoch)
+        if changed is not None:
+            config = self.worker_config
+            how = (f"a step averages their {present} batches ({present * config.batch_size} "
+                   "samples)" if mode_class(config.mode).lockstep else
+                   "each claims work as it goes")
+            self.history.events.append(f"{changed}; {how}; the learning rate follows its "
+                                       "schedule")
+        self.call("begin_epoch", epoch, fresh, self._work(epoch), present)
+        ranks = {self._start(w, epoch, present, address): w
+                 for w, address in self._places.placed.items()}
         reports: list[dict[str, Any]] = []
-        pending = set(futures)
+        pending = set(ranks)
         try:
             while pending:
                 try:
@@ -171,22 +192,84 @@ class FitRun:
                     done = set()
                 for future in done:
                     pending.discard(future)
-                    reports.extend(self._collect(future, futures.index(future)))
+                    reports.extend(self._collect(future, ranks[future]))
+                    future.release()  # its result is in hand: see the finally below
                 self.poll()
+                if self.grows and pending:
+                    self._follow_cluster(epoch, present, pending, ranks)
         except BaseException as exc:
-            self._stop_workers(futures, exc)
+            self._stop_workers(list(ranks), exc)
             raise
         finally:
-            # Dask's wait may leave this frame in a reference cycle: emptied lists let the
-            # tasks' results go now, so a later worker death cannot rerun a finished task.
-            futures.clear()
+            # A finished task whose result Dask keeps runs again if that worker dies, and
+            # rejoins as a second task of its rank; Dask's wait may keep this frame's
+            # futures in a reference cycle: each is released, not only dropped from lists.
+            for future in ranks:
+                future.release()
+            ranks.clear()
             pending.clear()
         self.poll()
         return reports
 
+    def _start(self, worker: int, epoch: int, world: int, address: str) -> Future:
+        """Submit ``worker``'s task for ``epoch`` (of ``world`` strides), placed on
+        ``address`` if it can run there."""
+        extra = {"resources": {"GPU": 1}} if self._gpu else {}
+        # A run that grows keeps one replica per Dask worker: a task whose worker goes is
+        # cancelled (see _forget_gone), not rerun beside another.
+        return self.client.submit(
+            run_worker, self.worker_config, self.holder, worker, epoch, world, pure=False,
+            key=f"dasktrain-trainer-{worker}-epoch-{epoch}-{time.time_ns()}",
+            workers=[address], allow_other_workers=not self.grows, **extra)
+
+    def _follow_cluster(self, epoch: int, present: int, pending: set[Future],
+                        ranks: dict[Future, int]) -> None:
+        """Cancel the tasks whose Dask worker left (their claims go back to the pool now,
+        not once the holder's watchdog finds them gone) or that still start when the
+        epoch is done; start one on each Dask worker the cluster gained."""
+        workers = self._handle.last_workers or worker_info(self.client)
+        by_rank = {ranks[f]: f for f in pending}
+        stale = [w for w in by_rank if self.work_left == 0
+                 and self.member_states.get(w) == "absent"]
+        gone = self._places.gone(set(by_rank), workers)
+        for w in {*stale, *gone}:
+            pending.discard(by_rank[w])
+            self.client.cancel(by_rank[w])
+            if w in gone:
+                self.call("drop", w, f"its Dask worker {self._places.placed[w]} left the "
+                                     "cluster")
+        busy = {ranks[f] for f in pending}
+        for w, address in self._places.gained(busy, self.member_addresses, workers).items():
+            future = self._start(w, epoch, present, address)
+            ranks[future] = w
+            pending.add(future)
+
+    @property
+    def grows(self) -> bool:
+        """Workers the cluster adds mid-epoch are taken up (a range of workers, and work
+        claimed on demand)."""
+        return self._places.elastic and self.worker_config.assignment == "dynamic"
+
+    def _work(self, epoch: int) -> tuple[int, list[int]] | None:
+        """The epoch's batches and claim bounds, where workers claim work on demand."""
+        config = self.worker_config
+        if config.assignment != "dynamic":
+            return None
+        if self._plans is None:  # plans only: it never iterates, so it needs no cluster
+            self._plans = Pipeline(config.data, config.batch_size, **config.pipeline_options)
+        plan = self._plans.plan(epoch)
+        return plan.num_batches, plan.claim_bounds()
+
     def _collect(self, future: Future, worker: int) -> list[dict[str, Any]]:
         try:
-            report = future.result()
+            # Done: the report is there to fetch, unless the Dask worker holding it was
+            # retired meanwhile (an elastic run); the holder has its work on record.
+            report = future.result(timeout=_GATHER if self.grows else None)
+        except TimeoutError:
+            self.client.cancel(future)
+            self.history.events.append(f"worker {worker}: its report was lost with its "
+                                       "Dask worker")
+            return []
         except (FutureCancelledError, Exception) as exc:
             if type(exc).__name__ == "KilledWorker":
                 # Its process died more often than Dask retries; the others carry on, and
@@ -196,6 +279,8 @@ class FitRun:
                 return []
             failure = WorkerFailure(exc, "")  # Dask's own (cancelled, lost): no traceback
         else:
+            if report.get("surplus"):  # no place for it (see ParameterHolder.join)
+                return []
             failure = report.get("failed")
             if failure is None:
                 return [report]
@@ -231,6 +316,11 @@ class FitRun:
         if self._log is not None:
             self._log.append(progress["records"])
         self.history.events.extend(progress["events"])
+        self.history.claims.extend([progress["epoch"], *c] for c in progress["claims"])
+        self.shares = {int(w): int(n) for w, n in progress["shares"].items()}
+        self.member_addresses = {int(w): a for w, a in progress["addresses"].items() if a}
+        self.member_states = {int(w): s for w, s in progress["members"].items()}
+        self.work_left = progress["work_left"]
         self.history.refused_gradients = progress["refused"]
         self._forward(progress["notices"])
         if progress["diverged"] is not None:

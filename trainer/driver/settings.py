@@ -25,9 +25,13 @@ from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.worker.compute import BatchCompute, check_compute_options
 
-__all__ = ["FUNCTION", "PLAIN_KEYWORDS", "MissingLoss", "ModelSpec", "TrainerSettings",
-           "check_arguments", "check_loss_given", "function_name", "merge_mode_options",
-           "model_factory", "run_settings", "saved_settings"]
+__all__ = ["ASSIGNMENTS", "FUNCTION", "PLAIN_KEYWORDS", "MissingLoss", "ModelSpec",
+           "TrainerSettings", "check_arguments", "check_loss_given", "function_name",
+           "merge_mode_options", "model_factory", "resolve_assignment", "run_settings",
+           "saved_settings"]
+
+ASSIGNMENTS = ("auto", "dynamic", "static")
+"""How an epoch's batches reach the trainer workers (the Trainer's ``assignment``)."""
 
 ModelSpec = Callable[[], torch.nn.Module] | torch.nn.Module
 
@@ -39,7 +43,7 @@ PLAIN_KEYWORDS = ("mode", "workers", "batch_size", "seed", "shuffle", "prefetch"
                   "holder_shards", "timeout", "barrier_timeout", "direct_channel",
                   "shared_memory", "bucket_bytes", "on_nonfinite", "nonfinite_patience",
                   "checkpoint_every", "progress", "torch_threads", "precision", "as_dict",
-                  "clip_grad_norm", "clip_grad_value")
+                  "clip_grad_norm", "clip_grad_value", "assignment")
 """The Trainer's keyword arguments whose values are plain scalars (``mode_options`` and
 ``optimizer`` are plain data too, written as a dict each)."""
 
@@ -50,6 +54,9 @@ class TrainerSettings(Protocol):
     mode: str
     mode_options: dict[str, Any]
     workers: int
+    """The most trainer workers (the number, unless ``min_workers`` is less)."""
+    min_workers: int
+    """The least: a run with fewer than ``workers`` grows as the cluster does."""
     batch_size: int
     optimizer: OptimizerConfig
     compute: BatchCompute
@@ -59,6 +66,8 @@ class TrainerSettings(Protocol):
     device: str | None
     holder_worker: str | None
     holder_shards: int
+    assignment: str
+    """``"auto"``, ``"static"`` or ``"dynamic"`` (see :func:`resolve_assignment`)."""
     timeout: float
     barrier_timeout: float
     direct_channel: bool
@@ -150,8 +159,7 @@ def check_arguments(*, loss: Any, step: Any, metrics: dict[str, Any], precision:
     _check_clip(clip_grad_norm, clip_grad_value)
     if not isinstance(optimizer, OptimizerConfig):
         raise TypeError("optimizer must come from dt.optim (e.g. dt.optim.sgd(lr=0.1))")
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    workers = worker_range(workers)[1]
     mode_class(mode).check(workers, mode_options)  # unknown modes and options fail here
     check_shards(holder_shards, mode, clip_grad_norm)
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -163,6 +171,41 @@ def check_arguments(*, loss: Any, step: Any, metrics: dict[str, Any], precision:
     if timeout <= 0 or barrier_timeout <= 0:
         raise ValueError("timeout and barrier_timeout must be positive")
     check_policy(on_nonfinite, nonfinite_patience)
+
+
+def worker_range(workers: Any) -> tuple[int, int]:
+    """``(least, most)`` trainer workers of a Trainer's ``workers``: a number, or a range
+    ``(least, most)`` for a run that grows and shrinks with the cluster."""
+    if isinstance(workers, int) and not isinstance(workers, bool):
+        least = most = workers
+    elif isinstance(workers, (tuple, list)) and len(workers) == 2 \
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in workers):
+        least, most = workers
+    else:
+        raise ValueError(f"workers must be a positive integer or a range (least, most), "
+                         f"got {workers!r}")
+    if not 1 <= least <= most:
+        raise ValueError(f"workers must be a positive integer or a range (least, most) with "
+                         f"1 <= least <= most, got {workers!r}")
+    return least, most
+
+
+def resolve_assignment(assignment: Any, mode: str, holder_shards: int) -> str:
+    """``"static"`` or ``"dynamic"`` for a Trainer's ``assignment``: ``"auto"`` is dynamic
+    wherever it applies (modes that do not step in lock-step, one holder)."""
+    if assignment not in ASSIGNMENTS:
+        raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
+    lockstep = mode_class(mode).lockstep
+    if assignment == "auto":
+        return "static" if lockstep or holder_shards > 1 else "dynamic"
+    if assignment == "dynamic" and lockstep:
+        raise ValueError(f"assignment='dynamic' does not apply to mode {mode!r}: its workers "
+                         "step in lock-step, each step one batch of every worker (use "
+                         "'async', 'ssp' or 'soft', or assignment='static')")
+    if assignment == "dynamic" and holder_shards > 1:
+        raise ValueError("assignment='dynamic' needs a single holder (holder_shards=1): "
+                         "the holder hands out the work")
+    return assignment
 
 
 def function_name(value: Any) -> Any:
@@ -178,7 +221,10 @@ def run_settings(trainer: TrainerSettings) -> dict[str, Any]:
     """The settings that define a run (stored in checkpoints; plain values only): a resume
     must match each of them."""
     options = trainer.pipeline_options
-    return {"mode": trainer.mode, "workers": trainer.workers,
+    # With work claimed on demand, a run may go on with another number of workers.
+    assignment = resolve_assignment(trainer.assignment, trainer.mode, trainer.holder_shards)
+    workers = {} if assignment == "dynamic" else {"workers": _workers(trainer)}
+    return {"mode": trainer.mode, **workers, "assignment": assignment,
             "batch_size": trainer.batch_size,
             "seed": options["seed"], "shuffle": options["shuffle"],
             "shuffle_blocks": options["shuffle_blocks"],
@@ -198,7 +244,8 @@ def saved_settings(trainer: TrainerSettings) -> dict[str, Any]:
     :func:`run_settings`, the others of :data:`PLAIN_KEYWORDS`, and the functions (``loss``
     and each metric) by name."""
     options = trainer.pipeline_options
-    return {**run_settings(trainer),
+    return {**run_settings(trainer), "assignment": trainer.assignment,
+            "workers": _workers(trainer),
             "prefetch": options["prefetch"], "device": trainer.device,
             "holder_worker": trainer.holder_worker, "holder_shards": trainer.holder_shards,
             "timeout": trainer.timeout, "barrier_timeout": trainer.barrier_timeout,
@@ -210,6 +257,13 @@ def saved_settings(trainer: TrainerSettings) -> dict[str, Any]:
             "torch_threads": trainer.torch_threads,
             "loss": _names(trainer.compute)[0],
             "metrics": {name: function_name(fn) for name, fn in trainer.compute.metrics.items()}}
+
+
+def _workers(trainer: TrainerSettings) -> int | list[int]:
+    """The ``workers`` argument: a number, or ``[least, most]``."""
+    if trainer.min_workers == trainer.workers:
+        return trainer.workers
+    return [trainer.min_workers, trainer.workers]
 
 
 def _names(compute: BatchCompute) -> tuple[str | None, str | None]:

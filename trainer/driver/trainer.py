@@ -37,8 +37,10 @@ from dasktrain.trainer.driver.settings import (
     check_loss_given,
     merge_mode_options,
     model_factory,
+    resolve_assignment,
     run_settings,
     saved_settings,
+    worker_range,
 )
 from dasktrain.trainer.exchange.buckets import BUCKET_BYTES
 from dasktrain.trainer.flat import FlatModel
@@ -76,7 +78,14 @@ class Trainer:
         per update), ``"ssp"`` (on arrival, within ``staleness_bound`` clocks) or
         ``"async"`` (each gradient applied on arrival); see the README's mode guide.
     workers
-        Model replicas (Dask tasks).
+        Model replicas (Dask tasks): a number, or a range ``(least, most)`` for a run that
+        follows the cluster's size (elastic training): it starts once ``least`` Dask
+        workers are there, one replica on each, and in ``async``, ``ssp`` and ``soft``
+        (work claimed on demand, see ``assignment``) takes up every worker the cluster
+        adds mid-epoch up to ``most``, and lets one that is retired or dies go without
+        stopping anyone; in ``sync`` and ``average`` the number of replicas follows the
+        cluster at each epoch's start (a step then averages that many batches). See the
+        docs' "Elastic training".
     batch_size
         Samples per batch **per worker**, as in DDP: a ``sync`` step averages ``workers``
         batches, so the global batch is ``workers x batch_size``.
@@ -151,6 +160,15 @@ class Trainer:
         ``[-v, v]``: in ``sync`` the averaged gradient, exactly as
         ``torch.nn.utils.clip_grad_norm_`` on the union batch; in the other gradient
         modes each applied (averaged) gradient; in ``average`` each worker's local step.
+    assignment
+        How each epoch's batches reach the workers. ``"dynamic"``: a worker claims the
+        next few batches of the epoch from the holder as its pipeline has room to
+        prefetch, so a fast worker trains on more of the epoch than a slow one, and work
+        a worker claimed goes back to the others if it dies or leaves; every batch is
+        still applied once per epoch. ``"static"``: worker ``r`` of ``W`` takes global
+        batches ``r, r + W, ...`` (the same stream per rank on every run). ``"auto"``
+        (default): dynamic in ``async``, ``ssp`` and ``soft`` with one holder, static in
+        ``sync`` and ``average``, whose steps take one batch of every worker.
     mode_options, **more_mode_options
         Options of the mode, as a dict or as keywords (not both for the same option).
         Unknown options are refused by the mode.
@@ -162,7 +180,7 @@ class Trainer:
         loss: LossFunction,
         optimizer: OptimizerConfig,
         mode: str = "sync",
-        workers: int = 2,
+        workers: int | tuple[int, int] = 2,
         batch_size: int = 32,
         *,
         seed: int = 0,
@@ -191,6 +209,7 @@ class Trainer:
         as_dict: bool = False,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
+        assignment: str = "auto",
         mode_options: dict[str, Any] | None = None,
         **more_mode_options: Any,
     ) -> None:
@@ -211,7 +230,8 @@ class Trainer:
         self.optimizer = optimizer
         self.mode = mode
         self.mode_options = mode_options
-        self.workers = workers
+        self.min_workers, self.workers = worker_range(workers)
+        """The least and most trainer workers (equal unless ``workers`` is a range)."""
         self.batch_size = batch_size
         self.pipeline_options = {"seed": seed, "shuffle": shuffle, "transform": transform,
                                  "prefetch": prefetch, "shuffle_blocks": shuffle_blocks,
@@ -220,6 +240,8 @@ class Trainer:
         self.device = device
         self.holder_worker = holder_worker
         self.holder_shards = holder_shards
+        resolve_assignment(assignment, mode, holder_shards)  # refuses what cannot be
+        self.assignment = assignment
         self.timeout = timeout
         self.barrier_timeout = barrier_timeout
         self.direct_channel = direct_channel

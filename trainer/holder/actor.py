@@ -35,6 +35,7 @@ from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.holder.arithmetic import Arithmetic, Lease
 from dasktrain.trainer.holder.config import HolderConfig
 from dasktrain.trainer.holder.divergence import NonFiniteGuard, all_finite, finite_mean
+from dasktrain.trainer.holder.ledger import WorkLedger
 from dasktrain.trainer.holder.membership import Membership, Watchdog
 from dasktrain.trainer.holder.records import Records
 from dasktrain.trainer.holder.shards import shard_layouts, shard_states
@@ -77,6 +78,7 @@ class ParameterHolder:
                 config.shard[0]]
             state = state[start:stop]
         self.workers = config.workers
+        self.batch_size = config.batch_size  # the modes' reference batch (host interface)
         self.optimizer = config.optimizer
         self._arith = Arithmetic(self.layout, state, config.optimizer,
                                  config.total_steps,
@@ -87,6 +89,11 @@ class ParameterHolder:
         self._epoch_start = 0
         self.refused = 0
         self._members = Membership(config.workers)
+        # Work claimed on demand (assignment="dynamic"): None when ranks own their stride.
+        self._ledger = WorkLedger() if config.assignment == "dynamic" else None
+        self._work_waiters: list[asyncio.Future] = []  # claims waiting for work to free
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, once an epoch began
+        self._claims: list[tuple[int, int, int, int]] = []  # (version, worker, start, stop)
         self._guard = NonFiniteGuard(config.on_nonfinite, config.nonfinite_patience,
                                      config.workers)
         self._diverged: str | None = None  # set by an update; the run is then aborted
@@ -97,7 +104,8 @@ class ParameterHolder:
                                                     config.mode_options)
         self._records = Records(mode_type.gradient_fields)
         self._mode = get_mode(config.mode, self, **config.mode_options)
-        self._watchdog = Watchdog(self._members, self._mode.waiting_for, self.drop,
+        self._claims_waiting = 0  # claims waiting for work that others hold
+        self._watchdog = Watchdog(self._members, self._waited_for, self.drop,
                                   self._alive_addresses, interval=config.check_interval,
                                   timeout=config.barrier_timeout)
         self._error: BaseException | None = None
@@ -146,11 +154,18 @@ class ParameterHolder:
 
     def batches_taken(self, worker: int) -> int:
         """Batches of the current epoch taken from ``worker`` so far."""
+        if self._ledger is not None:  # positions are batch indices there, not counts
+            return self._ledger.taken_by(worker)
         return self._members.position_in(worker, self._epoch)
 
     def live_workers(self) -> set[int]:
-        """Workers still to push this epoch (not finished, not lost)."""
-        return self._members.live()
+        """Workers still to push this epoch: not finished, not lost, and, where work is
+        claimed on demand, holding work or able to claim some (an update must not wait for
+        a worker that has nothing left to push)."""
+        live = self._members.live()
+        if self._ledger is None:
+            return live
+        return {w for w in live if not self._ledger.idle(w)}
 
     def record_event(self, text: str) -> None:
         logger.info("holder: %s", text)
@@ -191,6 +206,12 @@ class ParameterHolder:
         if not contribution.held:
             contribution.held = True
             self._members.counted(contribution.worker, contribution.position)
+            if self._ledger is not None and contribution.grads is not None \
+                    and contribution.position[0] == self._ledger.epoch:
+                self._ledger.taken(contribution.worker, contribution.position[1])
+                if self._ledger.finished and self._loop is not None:
+                    # Maybe on the update thread: claims waiting learn the epoch is done.
+                    self._loop.call_soon_threadsafe(self._work_changed)
 
     def drop_gradient(self, contribution: Contribution, reason: str, **fields: Any) -> None:
         """Record ``contribution`` as received and not applied (``reason`` is logged)."""
@@ -206,12 +227,58 @@ class ParameterHolder:
         if self._closed:
             raise TrainerError("the parameter holder is closed")
 
-    async def begin_epoch(self, epoch: int, fresh: bool = True) -> None:
-        """Expect every worker for ``epoch`` (``fresh=False``: continue a resumed epoch)."""
+    async def begin_epoch(self, epoch: int, fresh: bool = True,
+                          work: tuple[int, list[int]] | None = None,
+                          present: int | None = None) -> None:
+        """Expect workers ``0..present-1`` (default: all) for ``epoch`` (``fresh=False``:
+        continue a resumed epoch). ``work``: the epoch's number of batches and claim
+        bounds, where work is claimed on demand."""
         self._check_usable()
         if fresh:
             self._epoch, self._epoch_start = epoch, self._version
-        self._members.begin_epoch()
+        self._members.begin_epoch(present)
+        self._loop = asyncio.get_running_loop()
+        if self._ledger is not None:
+            if work is None:
+                raise ValueError("a holder with dynamic assignment needs the epoch's work")
+            self._ledger.begin(epoch, work[0], work[1], keep_done=not fresh)
+            self._work_changed()
+
+    async def claim(self, worker: int, epoch: int, wait: float = 2.0) -> list[int] | None:
+        """The next run of the epoch's global batches for ``worker`` to train on, as
+        ``[start, stop]``; ``[]`` if none is free within ``wait`` seconds although the epoch
+        is not done (what others claimed may come back: ask again); None once every batch
+        of ``epoch`` is done (or ``epoch`` is over). See :mod:`.ledger`."""
+        self._check_usable()
+        self._members.check(worker)
+        ledger = self._ledger
+        if ledger is None:
+            raise TrainerError("this holder assigns work statically: nothing to claim")
+        self._members.heard(worker)  # waiting for work is not silence
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            if epoch != ledger.epoch or ledger.finished:
+                return None
+            live = len(self._members.live())
+            run = ledger.claim(worker, live)
+            if run is not None:
+                self._claims.append((self._version, worker, run.start, run.stop))
+                return [run.start, run.stop]
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return []
+            # No await since the claim above: a change cannot slip in before this waits.
+            changed = asyncio.get_running_loop().create_future()
+            self._work_waiters.append(changed)
+            # This worker has nothing to push now: an update waiting for it need not.
+            await self._mode.membership_changed()
+            self._claims_waiting += 1
+            try:
+                await asyncio.wait([changed], timeout=left)
+            finally:
+                self._claims_waiting -= 1
+            self._check_usable()
+            self._members.heard(worker)
 
     async def join(self, worker: int, address: str | None, layout: FlatLayout
                    ) -> dict[str, Any]:
@@ -222,9 +289,18 @@ class ParameterHolder:
             raise ValueError(f"worker {worker}'s model does not match the holder's "
                              f"({self.model_layout.describe_difference(layout)}): every "
                              "worker must build the same model")
+        if self.config.elastic and self._ledger is not None:
+            surplus = await self._surplus(worker, address)
+            if surplus is not None:
+                logger.info("holder: worker %d's task on %s is surplus: %s", worker, address,
+                            surplus)
+                return {"surplus": True}
         before = self._members.set(worker, "active", address)
+        if before == "absent":
+            self.record_event(f"worker {worker} joined on {address}")
         if before in ("active", "lost"):
             self.record_event(f"worker {worker} rejoined on {address}")
+            self._give_back(worker)  # its earlier task's claims: a rerun claims anew
         self._watchdog.ensure_running()
         self._mode.joined(worker)
         lease = await self.serially(self._reply, worker)
@@ -238,6 +314,26 @@ class ParameterHolder:
                 "lr_factor": self._arith.lr_factor,
                 "position": self._mode.start_position(worker, recorded),
                 "channel": None if local else await self._direct.contact(worker)}
+
+    async def _surplus(self, worker: int, address: str | None) -> str | None:
+        """Why a task of ``worker`` joining from ``address`` has no place in an elastic run
+        (Dask reran it after its worker left, or put it beside another replica), or None.
+        """
+        state = self._members.state(worker)
+        if state == "done":
+            return "this worker already finished or left this epoch"
+        if state == "active" and self._members.address(worker) != address:
+            return "another task of this worker is at work"
+        other = self._members.sharing(worker, address)
+        if other is None:
+            return None
+        # Its earlier task died or never came: the slot empties, its claims go back.
+        self._members.set(worker, "absent")
+        self._give_back(worker)
+        self.record_event(f"worker {worker} left: its task was rerun on {address}, which "
+                          f"worker {other} trains on already")
+        await self._mode.membership_changed()
+        return f"worker {other} trains on {address}"
 
     @property
     def channel_address(self) -> tuple[str, int] | None:
@@ -262,10 +358,40 @@ class ParameterHolder:
         else:
             raise ValueError(f"via must be 'actor' or 'direct', got {via!r}")
 
-    async def leave(self, worker: int) -> None:
-        """A worker finished its part of the epoch."""
+    async def leave(self, worker: int, retired: bool = False) -> None:
+        """A worker finished its part of the epoch (``retired``: its Dask worker is being
+        retired, so it stopped early)."""
         self._members.set(worker, "done")
+        if retired:
+            self.record_event(f"worker {worker} left: its Dask worker is retiring")
+        self._give_back(worker)
         await self._mode.left(worker)
+
+    def _waited_for(self) -> set[int]:
+        """Workers something waits for, that the watchdog drops if they die or go silent:
+        those a pending update waits for, and those holding claimed work while another
+        waits for work (a dead one's claims then go back to the pool)."""
+        waiting = self._mode.waiting_for()
+        if self._claims_waiting and self._ledger is not None:
+            waiting = waiting | (self._ledger.holders() & self._members.live())
+        return waiting
+
+    def _work_changed(self) -> None:
+        """Wake the claims waiting for work: some came back, or the epoch is done."""
+        waiters, self._work_waiters = self._work_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _give_back(self, worker: int) -> None:
+        """Put what ``worker`` claimed and did not push back in the pool."""
+        if self._ledger is None:
+            return
+        back = self._ledger.release(worker)
+        if back:
+            self.record_event(f"worker {worker}'s {back} claimed batch(es) went back to "
+                              "the pool")
+            self._work_changed()
 
     async def drop(self, worker: int, reason: str) -> None:
         """Stop waiting for ``worker`` (it rejoins with :meth:`join`); the watchdog and the
@@ -274,6 +400,7 @@ class ParameterHolder:
             return
         self._members.set(worker, "lost")
         self.record_event(f"worker {worker} dropped: {reason}")
+        self._give_back(worker)
         await self._mode.lost(worker)
 
     async def notify(self, worker: int, notices: list[dict[str, str]]) -> None:
@@ -313,8 +440,28 @@ class ParameterHolder:
             await self.serially(_nothing)
         contribution = Contribution(worker, version, grads, count, loss, tuple(position),
                                     clock=self._members.clocks[worker])
-        await self._mode.push(contribution)
+        refusal = self._admit(contribution)
+        if refusal is None:
+            await self._mode.push(contribution)
+        else:
+            await self.serially(self._refuse_repeat, contribution, refusal)
         return await self.serially(self._reply, worker)
+
+    def _admit(self, contribution: Contribution) -> str | None:
+        """Why a gradient of work claimed on demand is not taken (its batch was applied
+        already, or is not the epoch's), or None."""
+        ledger = self._ledger
+        if ledger is None or contribution.grads is None:
+            return None
+        epoch, batch = contribution.position
+        if epoch != ledger.epoch:
+            return f"it is of epoch {epoch}, not {ledger.epoch}"
+        return ledger.arrive(contribution.worker, batch)
+
+    def _refuse_repeat(self, contribution: Contribution, reason: str) -> None:
+        self.record_event(f"worker {contribution.worker}'s gradient refused: {reason}")
+        self._records.gradient(staleness=self._version - contribution.version,
+                               worker=contribution.worker, dropped=True)
 
     async def push(self, worker: int, version: int, grads: np.ndarray | None, count: int,
                    loss: float, position: tuple[int, int]) -> tuple[np.ndarray, int]:
@@ -367,7 +514,8 @@ class ParameterHolder:
                 self._diverged = stop  # nothing of this round is applied
                 return
         if grad is not None:
-            self._arith.step(grad, lr_scale)
+            self._arith.step(grad, lr_scale,
+                             adjusted.first_moment if adjusted is not None else None)
         for contribution, _, _, extra in used:
             self._records.gradient(staleness=self._version - contribution.version,
                                    worker=contribution.worker, **extra)
@@ -434,8 +582,16 @@ class ParameterHolder:
                 "epoch": self._epoch, "refused": self.refused,
                 "clocks": list(self._members.clocks), "diverged": self._diverged,
                 "members": self._members.states(),
+                "addresses": self._members.addresses(),
                 "waiting_for": sorted(self._mode.waiting_for()),
+                "claims": self._take_claims(),
+                "shares": {} if self._ledger is None else self._ledger.shares(),
+                "work_left": None if self._ledger is None else self._ledger.remaining(),
                 "records": self._records.take(), "events": events, "notices": notices}
+
+    def _take_claims(self) -> list[tuple[int, int, int, int]]:
+        claims, self._claims = self._claims, []
+        return claims
 
     async def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: parameters, optimizer state, version, clocks,
@@ -456,6 +612,7 @@ class ParameterHolder:
             "layout": self.layout.fingerprint,
             "mode": self.config.mode,
             "mode_state": self._mode.state_dict(),
+            "work": None if self._ledger is None else self._ledger.state_dict(),
         }
 
     async def state_at(self, version: int) -> dict[str, Any]:
@@ -477,7 +634,8 @@ class ParameterHolder:
         if state["mode"] != self.config.mode:
             raise ValueError(f"the checkpoint was made in mode {state['mode']!r}, not "
                              f"{self.config.mode!r}")
-        self._members.load_state_dict(state)  # checks the number of workers first
+        # Checks the number of workers first (any, where work is claimed on demand).
+        self._members.load_state_dict(state, any_count=self._ledger is not None)
         await self.serially(self._load_state_dict, state)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -487,6 +645,8 @@ class ParameterHolder:
         self.refused = int(state["refused"])
         self._guard.load_state_dict(state.get("nonfinite", {}))
         self._mode.load_state_dict(state["mode_state"])
+        if self._ledger is not None and state.get("work") is not None:
+            self._ledger.load_state_dict(state["work"])
 
     async def abort(self, reason: str) -> None:
         """Fail every waiting and future call with ``reason`` (the run is over)."""

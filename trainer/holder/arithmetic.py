@@ -180,13 +180,15 @@ class Arithmetic:
         return self.optimizer_config.lr_at(self.updates, self.total_steps) * scale \
             * self.lr_factor
 
-    def step(self, payload: torch.Tensor, lr_scale: float = 1.0) -> None:
+    def step(self, payload: torch.Tensor, lr_scale: float = 1.0,
+             first_moment: float | None = None) -> None:
         """One optimizer step on the gradient part of ``payload``; its buffer part becomes
         the model's buffers (batch-norm statistics are averaged like gradients).
 
         ``lr_scale`` multiplies the learning rate of this step only: unlike scaling the
         gradient, it scales the step under every optimizer (Adam normalises a gradient's
-        size away)."""
+        size away). ``first_moment`` replaces the optimizer's momentum (Adam's first beta)
+        for this step (None: the configured one; see :meth:`FlatOptimizer.set_first_moment`)."""
         self._writable()
         n = self.layout.num_params
         grad = payload[:n]
@@ -196,7 +198,7 @@ class Arithmetic:
             if scratch.data_ptr() != grad.data_ptr():
                 scratch.copy_(grad)
             grad = clip_gradient(scratch, *self.clip)
-        self._optim.step(grad, self.lr(lr_scale))
+        self._optim.step(grad, self.lr(lr_scale), first_moment)
         self.updates += 1
         if self.layout.num_buffers:
             self._flat[n:].copy_(payload[n:])

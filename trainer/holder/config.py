@@ -30,6 +30,11 @@ class HolderConfig:
     """The optimizer the holder runs."""
     workers: int
     """Trainer workers that push to this holder."""
+    batch_size: int | None = None
+    """Samples in one worker's full batch: what the asynchronous modes scale each update's
+    learning rate by (its samples / (``workers`` x ``batch_size``), see
+    :mod:`dasktrain.trainer.modes.adjust`). None: every update at the optimizer's own rate
+    (a holder driven by hand; the Trainer always gives it)."""
     mode: str = "sync"
     """Update mode (see :data:`dasktrain.trainer.modes.MODES`)."""
     mode_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -62,6 +67,12 @@ class HolderConfig:
     """Clip each applied (averaged) gradient to this global norm."""
     clip_grad_value: float | None = None
     """Clip each value of an applied gradient to ``[-v, v]`` (before the norm)."""
+    elastic: bool = False
+    """Workers join and leave during the run (the Trainer's ``workers=(least, most)``):
+    ``workers`` is the most; a rerun task landing beside another is surplus."""
+    assignment: str = "static"
+    """How the epoch's batches reach workers: ``"static"`` (rank r takes global batches
+    r, r + W, ...) or ``"dynamic"`` (claimed on demand, see :mod:`.ledger`)."""
     shard: tuple[int, int] | None = None
     """``(k, K)``: this holder is shard k of K and keeps slice k of the parameters (see
     :mod:`dasktrain.trainer.holder.shards`)."""
@@ -71,11 +82,19 @@ class HolderConfig:
             raise TypeError("model must be a callable returning a torch.nn.Module")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+        if self.batch_size is not None and (not isinstance(self.batch_size, int)
+                                            or isinstance(self.batch_size, bool)
+                                            or self.batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None, got "
+                             f"{self.batch_size!r}")
         # Unknown modes and bad options fail here, before any cluster work.
         mode_class(self.mode).check(self.workers, self.mode_options)
         if self.barrier_timeout <= 0 or self.check_interval <= 0:
             raise ValueError("barrier_timeout and check_interval must be positive")
         check_policy(self.on_nonfinite, self.nonfinite_patience)
+        if self.assignment not in ("static", "dynamic"):
+            raise ValueError(f"assignment must be 'static' or 'dynamic', got "
+                             f"{self.assignment!r}")
         if self.shard is not None:
             check_shards(self.shard[1], self.mode, self.clip_grad_norm)
             if not 0 <= self.shard[0] < self.shard[1]:

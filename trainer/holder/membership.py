@@ -13,8 +13,9 @@ from typing import Any
 __all__ = ["Membership", "Watchdog"]
 
 # expected: should join this epoch; active: joined and pushing; done: finished its share
-# of the epoch; lost: dropped by the watchdog (or its task given up), until it comes back.
-STATES = ("expected", "active", "done", "lost")
+# of the epoch; lost: dropped by the watchdog (or its task given up), until it comes back;
+# absent: not part of this epoch (yet): an elastic run's slot that no worker fills.
+STATES = ("expected", "active", "done", "lost", "absent")
 
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,25 @@ class Membership:
     def address(self, worker: int) -> str | None:
         return self._members[worker].address
 
+    def addresses(self) -> dict[int, str | None]:
+        """Where each worker joined from (None: not this epoch)."""
+        return {w: m.address for w, m in self._members.items()}
+
     def live(self) -> set[int]:
         """Workers still to push this epoch: expected or active (not done, not lost)."""
         return {w for w, m in self._members.items() if m.state in ("expected", "active")}
 
-    def begin_epoch(self) -> None:
-        for member in self._members.values():
-            member.state, member.address, member.waiting_since = "expected", None, None
+    def begin_epoch(self, present: int | None = None) -> None:
+        """Expect workers ``0..present-1`` (all by default); the others are absent."""
+        present = self.workers if present is None else present
+        for w, member in self._members.items():
+            member.state = "expected" if w < present else "absent"
+            member.address, member.waiting_since = None, None
+
+    def sharing(self, worker: int, address: str | None) -> int | None:
+        """Another active worker on ``address``, if any."""
+        return next((w for w, m in self._members.items() if w != worker and address
+                     and m.state == "active" and m.address == address), None)
 
     def set(self, worker: int, state: str, address: str | None = None) -> str:
         """Move ``worker`` to ``state``; returns the state it was in."""
@@ -102,13 +115,16 @@ class Membership:
         return {"clocks": list(self.clocks),
                 "positions": {w: list(p) for w, p in self.positions.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["clocks"]) != self.workers:
-            raise ValueError(f"the checkpoint has {len(state['clocks'])} workers, this run "
+    def load_state_dict(self, state: dict[str, Any], any_count: bool = False) -> None:
+        """``any_count``: the checkpoint may have another number of workers (work claimed on
+        demand): the workers in both keep their clocks, new ones start at 0."""
+        clocks = [int(c) for c in state["clocks"]]
+        if len(clocks) != self.workers and not any_count:
+            raise ValueError(f"the checkpoint has {len(clocks)} workers, this run "
                              f"{self.workers}")
-        self.clocks = [int(c) for c in state["clocks"]]
+        self.clocks = (clocks + [0] * self.workers)[:self.workers]
         self.positions = {int(w): (int(p[0]), int(p[1]))
-                          for w, p in state["positions"].items()}
+                          for w, p in state["positions"].items() if int(w) < self.workers}
 
 
 class Watchdog:

@@ -1,4 +1,19 @@
-"""What the modes that apply stale gradients (``async``, ``soft``, ``ssp``) can add:
+"""What the modes that apply stale gradients (``async``, ``soft``, ``ssp``) do to each update.
+
+Always, so that an optimizer's settings mean what they mean in ``sync``:
+
+* **The learning rate is per global batch.** ``sync`` takes one step per global batch (W
+  workers x ``batch_size`` samples); these modes take one per gradient or per S of them.
+  An update of n samples is applied at ``lr x n / (W x batch_size)`` (``async``: 1/W of
+  the rate for a full batch; ``soft`` taking S of N: S/N), so a rate moves the parameters
+  as far per sample as in ``sync``. An update holding a gradient from every worker still in
+  the epoch, all fresh, is the step ``sync`` would take and gets the full rate (so ``soft``
+  waiting for all N is ``sync``, and one worker alone trains as one process).
+* **Momentum is compensated** (``momentum_compensation=True``, the default): staleness acts
+  as momentum of its own, so the optimizer's momentum (Adam's first beta) is lowered by
+  the implicit momentum of the staleness seen (see :mod:`.momentum`).
+
+Options:
 
 * ``staleness_lr``: the learning rate of a gradient of staleness τ is scaled by λ(τ):
   ``"inverse"`` 1/(1+τ), ``"sqrt"`` 1/√(1+τ), or a callable ``f(τ) -> float`` (defined at
@@ -26,7 +41,8 @@ import torch
 
 from dasktrain.trainer.holder.arithmetic import as_tensor
 from dasktrain.trainer.holder.divergence import all_finite
-from dasktrain.trainer.modes.base import Adjusted, Contribution, Host, UpdateMode
+from dasktrain.trainer.modes.base import Adjust, Adjusted, Contribution, Host, UpdateMode
+from dasktrain.trainer.modes.momentum import ImplicitMomentum, compensated
 
 __all__ = ["StaleGradientMode", "staleness_rule"]
 
@@ -55,13 +71,16 @@ def staleness_rule(rule: str | StalenessRule | None) -> StalenessRule | None:
 
 
 class StaleGradientMode(UpdateMode):
-    """Base of ``async``, ``soft`` and ``ssp``: their options ``staleness_lr``,
+    """Base of ``async``, ``soft`` and ``ssp``: what their learning rate means (each
+    update's share of a global batch, see :meth:`sample_share`), the momentum compensation
+    (``momentum_compensation``, see :mod:`.momentum`), the options ``staleness_lr``,
     ``dc_lambda``, ``dc_adaptive`` and ``dc_momentum``, and :meth:`adjust`, which applies
     them when an update is made."""
 
     def __init__(self, host: Host | None, *, staleness_lr: str | StalenessRule | None = None,
                  dc_lambda: float | None = None, dc_adaptive: bool = False,
-                 dc_momentum: float = 0.95, dc_eps: float = 1e-7, **options: Any) -> None:
+                 dc_momentum: float = 0.95, dc_eps: float = 1e-7,
+                 momentum_compensation: bool = True, **options: Any) -> None:
         super().__init__(host, **options)
         self.staleness_lr = staleness_rule(staleness_lr)
         if dc_lambda is not None and not (isinstance(dc_lambda, int | float)
@@ -73,18 +92,38 @@ class StaleGradientMode(UpdateMode):
             raise ValueError(f"dc_eps must be positive, got {dc_eps!r}")
         if dc_adaptive and dc_lambda is None:
             raise ValueError("dc_adaptive=True needs dc_lambda (the base λ)")
+        if not isinstance(momentum_compensation, bool):
+            raise TypeError(f"momentum_compensation must be True or False, got "
+                            f"{momentum_compensation!r}")
         self.dc_lambda = None if dc_lambda is None else float(dc_lambda)
         self.dc_adaptive = bool(dc_adaptive)
         self.dc_momentum = float(dc_momentum)
         self.dc_eps = float(dc_eps)
+        self.momentum_compensation = momentum_compensation
         self._sent: dict[int, torch.Tensor] = {}  # w_sent per worker (DC only)
         self._mean_square: torch.Tensor | None = None
         self._scratch: dict[int, np.ndarray] = {}
-        # Without an option or record field of its own, an update is the host's plain one:
-        # no per-push lists of unit scales on the hot path.
-        changes = (self.staleness_lr is not None or self.dc_lambda is not None
-                   or type(self).fields is not StaleGradientMode.fields)
-        self.adjuster = self.adjust if changes else None  # what to pass as apply's adjust
+        self._records_fields = (self.staleness_lr is not None or self.dc_lambda is not None
+                                or type(self).fields is not StaleGradientMode.fields)
+        self._momentum: float | None = None  # the optimizer's own, when compensated
+        self._implicit: ImplicitMomentum | None = None
+        self.adjuster: Adjust | None = None  # what to pass as apply's adjust
+        if host is None:
+            return
+        own = host.optimizer.first_moment
+        if momentum_compensation and own:
+            self._momentum = own
+            self._implicit = ImplicitMomentum(self.expected_staleness())
+        shares = host.batch_size is not None and host.workers > 1
+        # Without anything to change, an update is the host's plain one: no per-push work
+        # on the hot path.
+        if self._records_fields or shares or self._implicit is not None:
+            self.adjuster = self.adjust
+
+    def expected_staleness(self) -> float:
+        """The mean staleness of the applied gradients before any is seen: with every
+        worker computing, each gradient waits for the W - 1 others' (override)."""
+        return float(self.host.workers - 1)
 
     # -- hooks ---------------------------------------------------------------------------
     def sent(self, worker: int) -> None:
@@ -100,12 +139,16 @@ class StaleGradientMode(UpdateMode):
     def state_dict(self) -> dict[str, Any]:
         return {"sent": {w: t.clone() for w, t in self._sent.items()},
                 "mean_square": None if self._mean_square is None
-                else self._mean_square.clone()}
+                else self._mean_square.clone(),
+                "implicit_momentum": None if self._implicit is None
+                else self._implicit.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sent = {int(w): t.clone() for w, t in state.get("sent", {}).items()}
         ms = state.get("mean_square")
         self._mean_square = None if ms is None else ms.clone()
+        if self._implicit is not None and state.get("implicit_momentum") is not None:
+            self._implicit.load_state_dict(state["implicit_momentum"])
 
     # -- the arithmetic ------------------------------------------------------------------
     def fields(self, contribution: Contribution) -> dict[str, Any]:
@@ -113,9 +156,44 @@ class StaleGradientMode(UpdateMode):
         del contribution
         return {}
 
-    def adjust(self, contributions: list[Contribution]) -> Adjusted:
-        """Staleness scaling and delay compensation of one update (serial section)."""
+    def sample_share(self, contributions: list[Contribution]) -> float:
+        """The factor on the learning rate of an update of ``contributions``: the share of
+        a global batch (``workers`` x ``batch_size`` samples, what one ``sync`` step
+        averages) that its samples make up, so that a learning rate moves the parameters
+        as far per sample in every mode. An update of a gradient from every worker still in
+        the epoch, all computed on the current parameters, is the step ``sync`` would take,
+        and gets its full rate. 1 when the host knows no batch size."""
         host = self.host
+        if host.batch_size is None:
+            return 1.0
+        version = host.version
+        if all(c.version == version for c in contributions) \
+                and host.live_workers() <= {c.worker for c in contributions}:
+            return 1.0
+        return sum(c.count for c in contributions) / (host.workers * host.batch_size)
+
+    def first_moment(self, contributions: list[Contribution], total: float) -> float | None:
+        """The optimizer's momentum for an update of ``contributions`` (``total``
+        samples): the configured one less the implicit momentum of the staleness seen so
+        far, this update's included (see :mod:`.momentum`); None when not compensated."""
+        if self._implicit is None:
+            return None
+        version = self.host.version
+        staleness = sum(c.count * (version - c.version) for c in contributions) / total \
+            if total else 0.0
+        self._implicit.observe(staleness)
+        return compensated(self._momentum, self._implicit.value)
+
+    def adjust(self, contributions: list[Contribution]) -> Adjusted:
+        """This update's learning-rate share, momentum, staleness scaling and delay
+        compensation (serial section)."""
+        host = self.host
+        counts = [float(c.count) for c in contributions]
+        total = sum(counts)
+        first_moment = self.first_moment(contributions, total)
+        lr_scale = self.sample_share(contributions)
+        if not self._records_fields:
+            return Adjusted(lr_scale=lr_scale, first_moment=first_moment)
         scales = [1.0] * len(contributions)
         if self.staleness_lr is not None:
             scales = [float(self.staleness_lr(host.version - c.version))
@@ -126,23 +204,22 @@ class StaleGradientMode(UpdateMode):
                                      f"{host.version - c.version}: it must be a finite "
                                      "number >= 0")
         payloads = None
-        compensated = [False] * len(contributions)
+        compensated_dc = [False] * len(contributions)
         if self.dc_lambda is not None:
             payloads = []
             for i, c in enumerate(contributions):
-                payload, compensated[i] = self._compensate(c)
+                payload, compensated_dc[i] = self._compensate(c)
                 payloads.append(payload)
-        counts = [float(c.count) for c in contributions]
-        total = sum(counts)
-        lr_scale = sum(n * s for n, s in zip(counts, scales, strict=True)) / total \
-            if total else 1.0
+        if total:
+            lr_scale *= sum(n * s for n, s in zip(counts, scales, strict=True)) / total
         return Adjusted(
             payloads=payloads,
             weights=[n * s for n, s in zip(counts, scales, strict=True)]
             if self.staleness_lr is not None else None,
-            lr_scale=lr_scale,
+            lr_scale=lr_scale, first_moment=first_moment,
             fields=[{"scale": s, "compensated": comp, **self.fields(c)}
-                    for c, s, comp in zip(contributions, scales, compensated, strict=True)])
+                    for c, s, comp in zip(contributions, scales, compensated_dc,
+                                          strict=True)])
 
     def _compensate(self, c: Contribution) -> tuple[np.ndarray, bool]:
         """``g + λ·g⊙g⊙(w_now - w_sent)`` on the parameter part of ``c``'s payload."""

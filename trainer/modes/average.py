@@ -12,6 +12,10 @@ between rounds (so it survives epochs, restarts and checkpoints).
 With K = 1 and plain SGD this is ``sync`` exactly: the average of one SGD step from the same
 parameters is one SGD step on the average gradient. With momentum it is ``sync`` only when
 the optimizer state is averaged too.
+
+A worker whose process died starts again, as in ``sync``, after the last of its pushes the
+holder took: the local steps it had taken since are taken again, so every batch of the
+epoch is in exactly one average.
 """
 
 from __future__ import annotations
@@ -172,10 +176,6 @@ class AverageMode(RoundMode):
         state = self._shared if self.share_state else self._own.get(worker)
         out[size:] = 0.0 if state is None else state.numpy()
         return out
-
-    def start_position(self, worker: int, recorded: int) -> int:
-        # Rounds of this epoch so far, K steps each: where every worker last agreed.
-        return (self.host.version - self.host.epoch_start) * self.every
 
     def state_dict(self) -> dict[str, Any]:
         return {"shared": None if self._shared is None else self._shared.clone(),

@@ -23,8 +23,9 @@ What the host offers (:class:`Host`):
 * ``apply(contributions, adjust=None, advance=False)``: the sample-weighted mean of the
   gradients as one optimizer step. ``adjust``, run in the serial section right before the
   step, may return other payloads and weights, a learning-rate scale for this step (which
-  works under every optimizer; scaling a gradient does nothing under Adam) and each
-  gradient's record fields (:class:`Adjusted`).
+  works under every optimizer; scaling a gradient does nothing under Adam), the
+  optimizer's momentum for this step and each gradient's record fields
+  (:class:`Adjusted`).
 * ``set_state(contributions, values)``: parameters (then buffers) outright, for averaging.
 * ``drop_gradient(contribution, reason)``: record a gradient that is not applied.
 * ``hold(contribution)``: count a contribution the mode keeps for a later update (in the
@@ -32,7 +33,8 @@ What the host offers (:class:`Host`):
 * ``serially(fn, *args)``: a section ordered with every update, snapshot and restore.
 * ``parameters`` and ``values`` (parameters then buffers): read-only views, for the serial
   section; ``version``, ``epoch``, ``epoch_start``, ``clocks``, ``batches_taken(worker)``,
-  ``live_workers()``, ``workers``, ``layout``, ``optimizer``, ``record_event(text)``.
+  ``live_workers()``, ``workers``, ``batch_size``, ``layout``, ``optimizer``,
+  ``record_event(text)``.
 
 Per-gradient record fields a mode adds are declared once, in ``gradient_fields``, and
 passed in ``Adjusted.fields`` or to ``drop_gradient``: the History and the update log pick
@@ -88,6 +90,8 @@ class Adjusted:
     """Weights in the average instead of the batch sizes."""
     lr_scale: float = 1.0
     """Factor on this step's learning rate (works under every optimizer)."""
+    first_moment: float | None = None
+    """The optimizer's momentum (Adam's first beta) for this step; None: as configured."""
     fields: list[dict[str, Any]] | None = None
     """Each gradient's record fields: ``scale``, ``compensated`` and the mode's own."""
 
@@ -99,6 +103,7 @@ class Host(Protocol):
     """The parameter holder as a mode sees it."""
 
     workers: int
+    batch_size: int | None  # samples in a worker's full batch (None: not known)
     layout: FlatLayout
     optimizer: OptimizerConfig
 

@@ -9,7 +9,16 @@ that took it is applied, with the parameters after it.
 
 With fewer live workers than S (some finished their share of the epoch, or died) an
 update waits for the live ones. S = N is ``sync``'s update in non-lock-step form: the same
-averages, the same parameters. Options of :mod:`.adjust` apply too.
+averages, the same parameters. An update of S full batches is applied at S/N of the
+learning rate (N/N: ``sync``'s rate), with the momentum compensated; the options of
+:mod:`.adjust` apply too.
+
+Restarts lose nothing. A gradient is counted as its worker's (``host.hold``) as it enters
+the round, so a worker whose process died while its push waited there, Dask then running
+its task again, resumes after that batch; so does one resumed from a checkpoint, whose
+stored round holds the push. Its next push, of another batch, joins the round *beside* the
+waiting one (see :mod:`.rounds`), counting as one more of the S, and both are applied:
+every gradient held is applied or, with ``late="drop"``, recorded as dropped.
 """
 
 from __future__ import annotations
@@ -32,13 +41,13 @@ class SoftMode(RoundMode, StaleGradientMode):
 
     def __init__(self, host: Host | None, *, wait_for: int | None = None,
                  late: str = "next", **options: Any) -> None:
-        super().__init__(host, **options)
         if wait_for is not None and (not isinstance(wait_for, int) or wait_for < 1):
             raise ValueError(f"wait_for must be a positive integer, got {wait_for!r}")
         if late not in LATE:
             raise ValueError(f"late must be one of {LATE}, got {late!r}")
         self.late = late
-        self._wait_for = wait_for
+        self._wait_for = wait_for  # before the base's init, which asks expected_staleness
+        super().__init__(host, **options)
 
     @classmethod
     def check(cls, workers: int, options: dict[str, Any]) -> None:
@@ -53,6 +62,10 @@ class SoftMode(RoundMode, StaleGradientMode):
         if self._wait_for is not None:
             return self._wait_for
         return max(1, self.host.workers - 1)
+
+    def expected_staleness(self) -> float:
+        # Each update takes S of the N gradients; the N - S others are late by one.
+        return (self.host.workers - min(self.wait_for, self.host.workers)) / self.wait_for
 
     @classmethod
     def planned_updates(cls, batches: int, workers: int, options: dict[str, Any]) -> int:
@@ -71,7 +84,7 @@ class SoftMode(RoundMode, StaleGradientMode):
         await self.enter(contribution)
 
     def _needed(self) -> int:
-        live = self.host.live_workers() | self.round.keys()
+        live = self.host.live_workers() | self.round_workers()
         return max(1, min(self.wait_for, len(live)))
 
     def complete(self) -> bool:
@@ -81,14 +94,14 @@ class SoftMode(RoundMode, StaleGradientMode):
         await self.host.apply(contributions, adjust=self.adjuster)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "round": [_stored(c) for c in self.round.values()]}
+        return {**super().state_dict(), "round": [_stored(c) for c in self.round]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         # Pushes that were waiting in the checkpoint's round: their workers resume after
-        # those batches, so the gradients are applied with the round they were in.
-        self.round.clear()
-        self.round.update({c.worker: c for c in map(_restored, state.get("round", []))})
+        # those batches, so the gradients are applied with the round they were in, beside
+        # the pushes of the batches that follow.
+        self.restore_round(map(_restored, state.get("round", [])))
 
 
 def _stored(c: Contribution) -> dict[str, Any]:

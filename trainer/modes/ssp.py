@@ -13,7 +13,8 @@ while membership is fixed. A worker computing from clock c received its paramete
 ahead of the slowest (so every other worker was at clock >= c - s then), and while it
 computes the slowest is at most c, so another worker may push until it is s + 1 past that:
 2s + 1 gradients each. A worker that finished its share of the epoch, or died (the watchdog drops
-it), no longer holds the others back. Options of :mod:`.adjust` apply too.
+it), no longer holds the others back. Each gradient is applied at its share of the learning
+rate, with the momentum compensated, and the options of :mod:`.adjust` apply too.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ class SSPMode(StaleGradientMode):
         self._release()
 
     def joined(self, worker: int) -> None:
+        # A reply still held for this worker was for its earlier task, which is gone (its
+        # process died): let that push return, or it would wait for good.
+        stale = self._waiting.pop(worker, None)
+        if stale is not None and not stale.done():
+            stale.set_result(None)
         self._release()
 
     def abort(self, error: BaseException) -> None:

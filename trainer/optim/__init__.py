@@ -41,11 +41,13 @@ from dasktrain.trainer.optim.registry import (
 )
 
 add_built_in({
-    "sgd": OptimizerKind(builtin.build_sgd),
-    "adam": OptimizerKind(builtin.build_adam),
-    "adamw": OptimizerKind(builtin.build_adamw),
-    "lars": OptimizerKind(builtin.build_lars, per_tensor=True, check=builtin.no_options),
-    "lamb": OptimizerKind(builtin.build_lamb, per_tensor=True, check=builtin.no_options),
+    "sgd": OptimizerKind(builtin.build_sgd, first_moment="momentum"),
+    "adam": OptimizerKind(builtin.build_adam, first_moment="betas"),
+    "adamw": OptimizerKind(builtin.build_adamw, first_moment="betas"),
+    "lars": OptimizerKind(builtin.build_lars, per_tensor=True, check=builtin.no_options,
+                          first_moment="momentum"),
+    "lamb": OptimizerKind(builtin.build_lamb, per_tensor=True, check=builtin.no_options,
+                          first_moment="betas"),
     "torch": OptimizerKind(torch_class.build, check=torch_class.check),
 })
 

@@ -171,6 +171,21 @@ class OptimizerConfig:
         return self.exclude_bias_and_norm
 
     @property
+    def first_moment(self) -> float | None:
+        """The decay of the optimizer's running mean of gradients as configured: SGD's and
+        LARS's ``momentum``, the first of Adam's, AdamW's and LAMB's ``betas`` (from
+        ``options`` for a registered optimizer that declares one); None for an optimizer
+        without one the holder knows of (``"torch"`` classes, registered ones that declare
+        none)."""
+        key = self._kind.first_moment
+        if key is None:
+            return None
+        value = self.options.get(key, getattr(self, key, None))
+        if key == "betas":
+            value = value[0] if isinstance(value, (tuple, list)) and value else None
+        return None if value is None else float(value)
+
+    @property
     def _kind(self) -> Any:
         from dasktrain.trainer.optim.registry import optimizer_kind
 

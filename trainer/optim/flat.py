@@ -20,6 +20,7 @@ import torch
 
 from dasktrain.trainer.optim.config import OptimizerConfig
 from dasktrain.trainer.optim.large_batch import Segment
+from dasktrain.trainer.optim.registry import optimizer_kind
 from dasktrain.trainer.optim.state import StateLayout
 
 __all__ = ["FlatOptimizer", "Run", "plan_runs", "state_size"]
@@ -102,6 +103,8 @@ class FlatOptimizer:
         self.optimizer = config.build(
             groups, segments=per_tensor[0] if len(per_tensor) == 1 else per_tensor)
         self.state_layout = StateLayout.of(config)
+        self._first_moment_key = optimizer_kind(config.name).first_moment
+        self._first_moment = _first_moment(self.optimizer, self._first_moment_key)
 
     def repoint(self, params: torch.Tensor) -> None:
         """Make ``params`` (a copy of the buffer) the one optimised; the state is kept."""
@@ -118,10 +121,38 @@ class FlatOptimizer:
         for group, ratio in zip(self.optimizer.param_groups, self._ratios, strict=True):
             group["lr"] = lr * ratio
 
-    def step(self, grad: torch.Tensor | None = None, lr: float | None = None) -> None:
-        """One step on ``grad`` (default: the attached gradient) at ``lr``."""
+    def set_first_moment(self, value: float | None) -> None:
+        """The decay of the running mean of gradients from now on (SGD's momentum, Adam's
+        first beta: see
+        :attr:`~dasktrain.trainer.optim.registry.OptimizerKind.first_moment`); None: the one
+        it was built with. Does nothing for an optimizer without one."""
+        key = self._first_moment_key
+        if key is None or self._first_moment is None:
+            return
+        if value is None:
+            value = self._first_moment
+        if not 0 <= value < 1:
+            raise ValueError(f"a first-moment coefficient must lie in [0, 1), got {value!r}")
+        # Compared with the groups' own value, not a flag: a loaded checkpoint brings the
+        # coefficient it was saved with.
+        if _first_moment(self.optimizer, key) == value:
+            return
+        for group in self.optimizer.param_groups:
+            group[key] = value if key == "momentum" else (value, *group[key][1:])
+        if key == "momentum" and value == 0:
+            # Steps without momentum leave the buffer as it was: drop it, so that momentum
+            # coming back starts from the gradients of then, not from a stale buffer.
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    self.optimizer.state.get(param, {}).pop("momentum_buffer", None)
+
+    def step(self, grad: torch.Tensor | None = None, lr: float | None = None,
+             first_moment: float | None = None) -> None:
+        """One step on ``grad`` (default: the attached gradient) at ``lr``, with the
+        running mean of gradients decaying by ``first_moment`` (default: as built)."""
         if lr is not None:
             self.set_lr(lr)
+        self.set_first_moment(first_moment)
         if grad is not None:
             self.attach_grad(grad)
         self.optimizer.step()
@@ -137,3 +168,15 @@ class FlatOptimizer:
 
     def load_state(self, values: np.ndarray) -> None:
         self.state_layout.load(self.optimizer, self.params, values)
+
+
+def _first_moment(optimizer: torch.optim.Optimizer, key: str | None) -> float | None:
+    """The first-moment coefficient ``optimizer`` was built with (``key``: see
+    :attr:`~dasktrain.trainer.optim.registry.OptimizerKind.first_moment`); None without
+    one."""
+    if key is None:
+        return None
+    value = optimizer.param_groups[0].get(key)
+    if key == "betas":
+        value = value[0] if isinstance(value, (tuple, list)) and value else None
+    return None if value is None else float(value)

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OPTIMIZERS", "Builder", "OptimizerKind", "add_built_in", "optimizer_kind",
-           "register_optimizer"]
+__all__ = ["FIRST_MOMENT_KEYS", "OPTIMIZERS", "Builder", "OptimizerKind", "add_built_in",
+           "optimizer_kind", "register_optimizer"]
 
 # The config is typed Any here: the registry sits below OptimizerConfig, which looks its
 # name up in it (importing the config's module here would make the two import each other).
@@ -45,7 +45,15 @@ class OptimizerKind:
     weights are excluded by default); otherwise the optimizer must be element-wise."""
     check: Callable[[Any], None] = _no_check
     """Refuses settings this optimizer cannot take, with a ``ValueError`` naming them."""
+    first_moment: str | None = None
+    """The key of its parameter groups that holds the decay of its running mean of
+    gradients: ``"momentum"`` (SGD, LARS) or ``"betas"`` (its first entry: Adam, AdamW,
+    LAMB); None when it keeps none. The asynchronous modes lower that coefficient by the
+    momentum their staleness adds (see :mod:`dasktrain.trainer.modes.momentum`)."""
 
+
+FIRST_MOMENT_KEYS = (None, "momentum", "betas")
+"""What :attr:`OptimizerKind.first_moment` may name."""
 
 OPTIMIZERS: dict[str, OptimizerKind] = {}
 _BUILT_IN: set[str] = set()
@@ -67,7 +75,8 @@ def optimizer_kind(name: str) -> OptimizerKind:
 
 
 def register_optimizer(name: str, build: Builder, *, per_tensor: bool = False,
-                       check: Callable[[Any], None] | None = None) -> None:
+                       check: Callable[[Any], None] | None = None,
+                       first_moment: str | None = None) -> None:
     """Add optimizer ``name`` to the registry, for ``dt.optim.get_optimizer(name, ...)``.
 
     Parameters
@@ -84,6 +93,11 @@ def register_optimizer(name: str, build: Builder, *, per_tensor: bool = False,
         element-wise, as the holder optimises one flat buffer.
     check
         Refuses a config this optimizer cannot run (raise ``ValueError``).
+    first_moment
+        ``"momentum"`` or ``"betas"``: the parameter-group key of its momentum (a number)
+        or of its moment decays (a pair, the first being the gradients' running mean), which
+        the asynchronous modes then lower by the momentum staleness adds; None (default):
+        left as built.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"an optimizer name must be a non-empty string, got {name!r}")
@@ -92,7 +106,10 @@ def register_optimizer(name: str, build: Builder, *, per_tensor: bool = False,
                          f"name")
     if not callable(build):
         raise TypeError(f"build must be callable, got {build!r}")
-    OPTIMIZERS[name] = OptimizerKind(build, per_tensor, check or _no_check)
+    if first_moment not in FIRST_MOMENT_KEYS:
+        raise ValueError(f"first_moment must be one of {FIRST_MOMENT_KEYS}, got "
+                         f"{first_moment!r}")
+    OPTIMIZERS[name] = OptimizerKind(build, per_tensor, check or _no_check, first_moment)
 
 
 def travelling_kind(name: str) -> OptimizerKind | None:

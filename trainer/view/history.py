@@ -34,8 +34,10 @@ class History:
     Per epoch: a dict in ``epochs`` with wall time, samples/s, data-stall fraction, the
     workers' mean time waiting for the exchange (``exchange_s``), how they reached the
     holder (``exchange_via``: counts of ``local``, ``direct``, ``actor``) and validation
-    metrics. ``events`` says what happened to workers (lost, rejoined, refused
-    gradients).
+    metrics, and, where work is claimed on demand, ``batches_per_worker`` (the share of
+    the epoch each worker's gradients took). ``events`` says what happened to workers
+    (lost, rejoined, refused gradients, claimed work given back); ``claims`` lists each
+    claim of work as ``[epoch, version, worker, first batch, stop]``.
     """
 
     mode: str = ""
@@ -54,6 +56,7 @@ class History:
     extra: dict[str, list] = dataclasses.field(default_factory=dict)
     epochs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     events: list[str] = dataclasses.field(default_factory=list)
+    claims: list[list[int]] = dataclasses.field(default_factory=list)
     refused_gradients: int = 0
     wall_time: float = 0.0
 

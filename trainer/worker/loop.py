@@ -11,11 +11,13 @@ cluster), so communication overlaps data work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pickle
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -37,11 +39,15 @@ from dasktrain.trainer.worker.notices import (
     taken_warnings,
     watch_this_thread,
 )
+from dasktrain.trainer.worker.retire import retiring, training
 from dasktrain.trainer.worker.steps import StepContext, WorkerStep
 
 __all__ = ["WorkerConfig", "WorkerFailure", "pick_device", "run_worker"]
 
 LossFunction = Callable[[Any, Any], torch.Tensor]
+
+#: Runs of batches a worker holds claimed beyond the one it trains on (its prefetch).
+CLAIMS_AHEAD = 2
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -62,6 +68,7 @@ class WorkerConfig:
     torch_threads: int = 1
     timeout: float = 300.0
     clip: tuple[float | None, float | None] = (None, None)  # for modes stepping locally
+    assignment: str = "static"  # or "dynamic": batches claimed from the holder on demand
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -89,9 +96,12 @@ class WorkerFailure:
         return cls(error, where)
 
 
-def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> dict[str, Any]:
-    """Train ``worker``'s share of ``epoch``; returns its counters, or
-    ``{"worker": worker, "failed": WorkerFailure}`` if it could not.
+def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int,
+               world: int | None = None) -> dict[str, Any]:
+    """Train ``worker``'s share of ``epoch`` (of ``world`` workers' strides, by default
+    ``config.workers``, where work is not claimed); returns its counters, or
+    ``{"worker": worker, "failed": WorkerFailure}`` if it could not, or
+    ``{"worker": worker, "surplus": True}`` if the holder had no place for it.
 
     A failure is returned, not raised: Dask logs every task that raises on its worker
     ("Compute Failed" and the task's traceback, on the user's terminal for a local
@@ -99,12 +109,12 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int) -> di
     (:meth:`FitRun._collect`).
     """
     try:
-        return _run_worker(config, holder, worker, epoch)
+        return _run_worker(config, holder, worker, epoch, world or config.workers)
     except Exception as exc:
         return {"worker": worker, "failed": WorkerFailure.of(exc)}
 
 
-def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int
+def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, world: int
                 ) -> dict[str, Any]:
     secede()  # free the thread for pipeline tasks; this task is not stolen once running
     tune_allocator()
@@ -121,7 +131,9 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int
     capture_warnings()
     watch_this_thread()
     try:
-        return _train(config, handle, flat, device, worker, address, epoch, started)
+        with training():  # a closing worker waits for this to leave (see .retire)
+            return _train(config, handle, flat, device, worker, address, epoch, world,
+                          started)
     finally:
         taken_warnings(stop=True)
         handle.close()
@@ -139,38 +151,52 @@ Handle = HolderHandle | ShardedHandle
 
 
 def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.device,
-           worker: int, address: str | None, epoch: int, started: float) -> dict[str, Any]:
+           worker: int, address: str | None, epoch: int, world: int, started: float
+           ) -> dict[str, Any]:
     strategy = _step_for(config, flat, epoch)
     info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer())
+    if info.get("surplus"):
+        return {"worker": worker, "epoch": epoch, "surplus": True}
     handle.share(strategy.adopt)  # on the holder's host: pushes then copy nothing
     strategy.lr_factor = float(info.get("lr_factor", 1.0))
     strategy.start(info["params"])
     version = int(info["version"])
     # One pipeline per epoch task: a head start on the next epoch would be thrown away.
-    pipe = Pipeline(config.data, config.batch_size, rank=worker, world_size=config.workers,
+    pipe = Pipeline(config.data, config.batch_size, rank=min(worker, world - 1),
+                    world_size=world,
                     device=device, client=get_client(), prefetch_next_epoch=False,
                     **config.pipeline_options)
     pipe.set_epoch(epoch)
-    plan = pipe.plan()
-    mine = len(plan.rank_batches(worker, config.workers))
-    lockstep = mode_class(config.mode).lockstep
-    steps = math.ceil(plan.num_batches / config.workers) if lockstep else mine
-    start = min(int(info["position"]), steps)
-    state = pipe.state_dict()
-    state["position"] = min(start, mine)
-    pipe.load_state_dict(state)
-    batches = iter(pipe)
+    if config.assignment == "dynamic":
+        # Each batch's position is its index in the epoch plan: the holder's ledger knows
+        # which are done (see dasktrain.trainer.holder.ledger).
+        start, steps = 0, None
+        items: Generator[tuple[int, Any], None, None] = pipe.claiming(
+            functools.partial(_claim, handle, worker, epoch), ahead=CLAIMS_AHEAD)
+    else:
+        plan = pipe.plan()
+        mine = len(plan.rank_batches(worker, world))
+        lockstep = mode_class(config.mode).lockstep
+        steps = math.ceil(plan.num_batches / world) if lockstep else mine
+        start = min(int(info["position"]), steps)
+        state = pipe.state_dict()
+        state["position"] = min(start, mine)
+        pipe.load_state_dict(state)
+        items = _stride(iter(pipe), start, mine, steps)
     compute = wait = 0.0
     samples = in_buckets = nonfinite = 0
     totals = MetricTotals()
     scale = LossScale(config.compute.precision == "fp16")
     readiness = _readiness(strategy, handle, flat, scale)
 
-    def take(step: int) -> Any:
-        return next(batches) if step < mine else None
-
-    batch = take(start)
-    for step in range(start, steps):
+    item = next(items, None)
+    step = start
+    retired = False
+    while item is not None:
+        if config.assignment == "dynamic" and retiring():
+            retired = True  # hand back what is claimed, while the worker still lives
+            break
+        mark, batch = item
         t0 = time.perf_counter()
         count, loss_value = 0, 0.0
         outgoing = None
@@ -181,7 +207,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
                 _tell(handle, worker, [shape_notice(*pair)])
             count, loss_value = batch_size_of(batch), float(loss.detach())
             if readiness is not None:
-                outgoing = handle.begin_push(version, count, loss_value, (epoch, step + 1),
+                outgoing = handle.begin_push(version, count, loss_value, (epoch, mark),
                                              flat.payload())
                 readiness.arm(outgoing.ready)
             try:
@@ -200,6 +226,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
         # A gradient on its way since backward began needs no asking what to push.
         push = None if outgoing is not None else \
             strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
+        step += 1
         t1 = time.perf_counter()
         compute += t1 - t0
         if outgoing is not None:  # send the rest
@@ -207,21 +234,21 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
             # A push begun after a fall back to the actor goes whole (see begin_push).
             in_buckets += isinstance(outgoing, OutgoingPush)
         elif push is None:  # a local step: nothing to exchange yet
-            batch = take(step + 1) if step + 1 < steps else None
+            item = next(items, None)
             continue
         else:
             future = handle.push(worker, version, push.payload, push.count, push.loss,
-                                 (epoch, step + 1))
-        batch = take(step + 1) if step + 1 < steps else None  # overlaps the exchange
-        params, version = handle.wait(future, f"worker {worker}'s update at step {step}")
+                                 (epoch, mark))
+        item = next(items, None)  # overlaps the exchange
+        params, version = handle.wait(future, f"worker {worker}'s update at step {step - 1}")
         strategy.load(params)
         _tell(handle, worker, taken_warnings())
         wait += time.perf_counter() - t1
-    for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
-        pass
-    handle.request("leave", worker, what=f"worker {worker} to leave")
+    if retired:
+        items.close()  # stops the pipeline: nothing more is claimed
+    handle.request("leave", worker, retired, what=f"worker {worker} to leave")
     elapsed = time.perf_counter() - started
-    return {"worker": worker, "epoch": epoch, "address": address, "steps": steps - start,
+    return {"worker": worker, "epoch": epoch, "address": address, "steps": step - start,
             "samples": samples, "compute_s": compute, "exchange_s": wait,
             "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
             # Of that wait, the epoch's first batch: the pipeline starting, not keeping up.
@@ -229,8 +256,31 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
             "skipped_nonfinite": nonfinite,
-            "exchange_via": handle.via, "transport": handle.transport,
+            "exchange_via": handle.via, "transport": handle.transport, "retired": retired,
             "pushes_in_buckets": in_buckets}
+
+
+def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
+            ) -> Generator[tuple[int, Any], None, None]:
+    """A static rank's steps ``start..steps``: ``(position after it, batch)``, the batch
+    None for the steps of a lock-step epoch in which this rank has none left."""
+    for step in range(start, steps):
+        yield step + 1, (next(batches) if step < mine else None)
+    for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
+        pass
+
+
+def _claim(handle: Handle, worker: int, epoch: int, stop: threading.Event) -> range | None:
+    """The next run of global batches ``worker`` claims from the holder (on the pipeline's
+    feeder thread); None once the epoch has no more work for it."""
+    while not stop.is_set():
+        run = handle.request("claim", worker, epoch, what=f"work for worker {worker}")
+        if run is None:
+            return None
+        if run:
+            return range(run[0], run[1])
+        # []: nothing free now, but what others hold may come back (a worker dies): ask again
+    return None
 
 
 def _readiness(strategy: WorkerStep, handle: Handle, flat: FlatModel,

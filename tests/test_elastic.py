@@ -1,0 +1,118 @@
+"""Elastic runs (``workers=(least, most)``): a fit takes up a Dask worker the cluster gains
+mid-epoch and lets a retired one go, with no restart and every sample applied once per
+epoch.
+
+Each test starts a cluster of two worker processes of its own, scales it to three while the
+first epoch runs (``cluster.scale``), and retires the added worker once its trainer worker
+has pushed (``client.retire_workers``), from a callback on the driver, in a thread of its
+own so that the driver keeps polling meanwhile.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+from distributed import Client, LocalCluster
+
+import dasktrain as dt
+from dasktrain._cluster import worker_info
+from tests.common.counting import ROWS, paced_mse, register_tally, spread, tally
+from tests.common.data import indexed_dataset
+from tests.common.training import mlp
+
+
+class ScaleUpThenRetire(dt.Callback):
+    """Scale the cluster to three workers as the fit starts (the new process is up a few
+    seconds later, in the first epoch); once trainer worker 2 has had ``retire_after``
+    gradients applied, retire the added Dask worker."""
+
+    def __init__(self, cluster: LocalCluster, client: Client, retire_after: int = 10) -> None:
+        self.cluster, self.client = cluster, client
+        self.retire_after = retire_after
+        self.first = set(worker_info(client))
+        self.from_third = 0
+        self.threads: list[threading.Thread] = []
+        self.added: list[str] = []
+        self.retired: list[str] = []
+
+    def on_fit_start(self, trainer) -> None:
+        self._in_thread(self._grow)
+
+    def _grow(self) -> None:
+        self.cluster.scale(3)
+        self.client.wait_for_workers(3, timeout=60)
+        self.added = sorted(set(worker_info(self.client)) - self.first)
+
+    def on_update(self, trainer, records) -> None:
+        self.from_third += sum(w >= 2 for w in records["staleness_worker"])
+        if self.from_third >= self.retire_after and len(self.threads) == 1 and self.added:
+            self.retired = self.added
+            self._in_thread(lambda: self.client.retire_workers(self.retired))
+
+    def _in_thread(self, action) -> None:
+        thread = threading.Thread(target=action, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+
+
+def _elastic_fit(model, loss, optimizer, data_of, epochs: int, mode: str = "async",
+                 fixed: bool = False):
+    """An elastic fit on a cluster of its own; with ``fixed``, then the same fit on two
+    workers on the same cluster (back to two processes), for comparison."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        data = data_of(client)
+        holder = sorted(worker_info(client))[0]
+        scaling = ScaleUpThenRetire(cluster, client)
+        trainer = dt.Trainer(model, loss, optimizer, mode=mode, workers=(2, 3),
+                             batch_size=10, holder_worker=holder, progress=False)
+        history = trainer.fit(data, epochs=epochs, client=client, callbacks=[scaling])
+        scaling.join()
+        if not fixed:
+            return trainer, history, scaling
+        reference = dt.Trainer(model, loss, optimizer, mode=mode, workers=2, batch_size=10,
+                               progress=False)
+        reference.fit(data, epochs=epochs, client=client)
+        return (trainer.evaluate(data, client=client), reference.evaluate(data, client=client),
+                history)
+
+
+def test_a_run_grows_and_shrinks_with_the_cluster_and_applies_each_row_once(tmp_path):
+    # Epochs of 90 batches of 80 ms (about 3.6 s on two workers): the worker added as the
+    # fit starts is up (a new process: a few seconds) before the first ends.
+    slow = functools.partial(spread, pace=0.08)
+    trainer, history, scaling = _elastic_fit(
+        tally, slow, register_tally(),
+        lambda c: indexed_dataset(c, tmp_path, rows=ROWS, chunk_rows=150), epochs=3)
+    counts = trainer.model.w.detach().numpy()
+    assert np.all(counts == 3), (np.unique(counts, return_counts=True), history.events)
+    events = "\n".join(history.events)
+    # A trainer worker took work on the added Dask worker (joining mid-epoch when its
+    # process is up in time, else at the next epoch's start), and left when it was retired,
+    # handing back what it had claimed.
+    assert scaling.retired and "left: its Dask worker is retiring" in events, events
+    # No restart: workers 0 and 1 never rejoined, never came back, never were dropped.
+    assert not any(w in e for e in history.events for w in ("rejoined", "came back",
+                                                             "dropped")), events
+    shares = [record["batches_per_worker"] for record in history.epochs]
+    assert all(sum(s.values()) == ROWS // 10 for s in shares)
+    assert any(s.get(2, 0) > 0 for s in shares), shares
+    assert history.epochs[-1]["workers_finished"] == 2  # the retired one is gone
+
+
+def test_an_elastic_run_ends_near_a_fixed_size_one(tmp_path):
+    def data_of(client):
+        return dt.prepare("regression", tmp_path / "reg.zarr", client=client, samples=1800,
+                          width=4, chunk_rows=300, seed=3, progress=False)
+
+    slowed = functools.partial(paced_mse, pace=0.02)
+    grown, fixed, history = _elastic_fit(mlp, slowed, dt.optim.sgd(0.05, momentum=0.9),
+                                         data_of, epochs=3, fixed=True)
+    assert grown["loss"] < 1.5 * fixed["loss"] + 1e-3, (grown, fixed, history.events)

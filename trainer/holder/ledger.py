@@ -1,0 +1,207 @@
+"""Work handed out on demand: which global batches of the epoch are pending, claimed by a
+worker, arriving (a gradient of it is in the holder's hands) or done.
+
+With ``assignment="dynamic"`` no worker owns a fixed share of an epoch: each claims a run of
+consecutive global batches of the epoch plan when its pipeline has room to prefetch, so a
+fast worker takes more of the epoch than a slow one. Exactly once per epoch:
+
+* a claim hands out the lowest pending batches, a run cut at the plan's window bounds (a
+  claim reads as few windows as it can) and *guided* in size (Polychronopoulos & Kuck,
+  1987): a share of what is left for each live worker, at most :data:`CLAIM_BATCHES` and at
+  least one, so that claims shrink as the epoch ends and no worker ends up holding a long
+  tail of work;
+* a gradient for a batch is admitted once (:meth:`WorkLedger.arrive`): a second one (its
+  first worker was given up and another took the batch, then both pushed) is refused;
+* a batch is done when the holder takes its gradient (:meth:`WorkLedger.taken`: applied,
+  kept for a later update, or recorded as dropped by the mode's rule), in the holder's
+  serial section, so that a checkpoint holds a batch as done exactly when its parameters
+  hold its update;
+* what a worker claimed and has not pushed goes back to the pool when it dies, leaves or
+  is retired (:meth:`WorkLedger.release`); done work is never handed out again.
+
+A checkpoint keeps the done batches only: on resume, with any number of workers, the rest
+of the epoch is pending.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+__all__ = ["CLAIM_BATCHES", "WorkLedger"]
+
+#: Most batches in one claim.
+CLAIM_BATCHES = 8
+
+_PENDING, _DONE = -1, -2
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Under the ledger's lock: :meth:`WorkLedger.taken` may run on the holder's update
+    thread while the event loop claims."""
+
+    @functools.wraps(method)
+    def run(self: WorkLedger, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+class WorkLedger:
+    """The global batches of one epoch and who has them (see the module docstring)."""
+
+    def __init__(self, claim_batches: int = CLAIM_BATCHES) -> None:
+        self.claim_batches = claim_batches
+        self._lock = threading.Lock()
+        self.epoch = -1
+        self._owner = np.zeros(0, dtype=np.int64)  # pending, done, or the claiming worker
+        self._bounds = np.zeros(0, dtype=np.int64)  # first batch of each window's run
+        self._arriving: set[int] = set()
+        self._taken: dict[int, int] = {}  # batches done per worker this epoch
+        self._cursor = 0  # no pending batch lies before it
+
+    # -- the epoch ---------------------------------------------------------------------
+    @_locked
+    def begin(self, epoch: int, num_batches: int, bounds: list[int],
+              keep_done: bool = False) -> None:
+        """Start ``epoch`` of ``num_batches`` batches, claims cut at ``bounds``.
+        ``keep_done``: the epoch is the one the ledger already holds (a resumed run),
+        whose done batches stay done."""
+        if keep_done and epoch == self.epoch and len(self._owner) == num_batches:
+            self._owner[self._owner >= 0] = _PENDING
+        else:
+            self._owner = np.full(num_batches, _PENDING, dtype=np.int64)
+            self._taken = {}
+        self.epoch = epoch
+        self._bounds = np.asarray(sorted(set(bounds) | {0}), dtype=np.int64)
+        self._arriving.clear()
+        self._cursor = 0
+
+    @property
+    def num_batches(self) -> int:
+        return len(self._owner)
+
+    @property
+    @_locked
+    def finished(self) -> bool:
+        """Every batch of the epoch is done."""
+        return bool(np.all(self._owner == _DONE))
+
+    @_locked
+    def remaining(self) -> int:
+        """Batches not done yet (pending, claimed or arriving)."""
+        return int(np.count_nonzero(self._owner != _DONE))
+
+    # -- claims ------------------------------------------------------------------------
+    @_locked
+    def claim(self, worker: int, live: int) -> range | None:
+        """The next run of pending batches for ``worker``, now claimed by it; None if none
+        is pending now (some may come back: see :attr:`finished`). ``live`` is the number
+        of workers taking work, for the guided size."""
+        owner = self._owner
+        free = np.flatnonzero(owner[self._cursor:] == _PENDING)
+        if not len(free):
+            self._cursor = len(owner)
+            return None
+        start = self._cursor + int(free[0])
+        self._cursor = start
+        pending = len(free)
+        size = min(self.claim_batches, max(1, math.ceil(pending / (2 * max(live, 1)))))
+        bound = int(np.searchsorted(self._bounds, start, side="right"))
+        stop = min(start + size, int(self._bounds[bound]) if bound < len(self._bounds)
+                   else len(owner))
+        run = owner[start:stop]
+        taken = np.flatnonzero(run != _PENDING)
+        if len(taken):  # a released batch's neighbour is still out: a shorter run
+            stop = start + int(taken[0])
+        owner[start:stop] = worker
+        return range(start, stop)
+
+    @_locked
+    def arrive(self, worker: int, batch: int) -> str | None:
+        """A gradient of ``batch`` from ``worker`` is in: None if it is admitted (it will be
+        :meth:`taken`), else why it is refused."""
+        if not 0 <= batch < len(self._owner):
+            return f"batch {batch} is not one of the epoch's {len(self._owner)}"
+        state = int(self._owner[batch])
+        if state == _DONE or batch in self._arriving:
+            return f"batch {batch} was already applied"
+        # Claimed by another worker after this one's claim was given back: the first
+        # gradient in wins, the other's is refused when it comes.
+        del state
+        self._owner[batch] = worker
+        self._arriving.add(batch)
+        return None
+
+    @_locked
+    def taken(self, worker: int, batch: int) -> None:
+        """``worker``'s gradient of ``batch`` was taken (serial section)."""
+        if 0 <= batch < len(self._owner) and self._owner[batch] != _DONE:
+            self._owner[batch] = _DONE
+            self._arriving.discard(batch)
+            self._taken[worker] = self._taken.get(worker, 0) + 1
+
+    @_locked
+    def release(self, worker: int) -> int:
+        """Give back what ``worker`` claimed and did not push; returns how many batches."""
+        back = np.flatnonzero(self._owner == worker)
+        back = np.asarray([b for b in back.tolist() if b not in self._arriving], dtype=np.int64)
+        if len(back):
+            self._owner[back] = _PENDING
+            self._cursor = min(self._cursor, int(back[0]))
+        return len(back)
+
+    # -- reports and checkpoints -------------------------------------------------------
+    def taken_by(self, worker: int) -> int:
+        """Batches of this epoch done from ``worker``'s gradients."""
+        return self._taken.get(worker, 0)
+
+    @_locked
+    def shares(self) -> dict[int, int]:
+        """Batches done per worker this epoch."""
+        return dict(self._taken)
+
+    @_locked
+    def idle(self, worker: int) -> bool:
+        """``worker`` holds no work and none is pending: it has nothing to push (unless
+        work comes back to the pool)."""
+        owner = self._owner
+        return not np.any(owner == _PENDING) and not np.any(owner == worker)
+
+    @_locked
+    def holders(self) -> set[int]:
+        """Workers holding claimed work they have not pushed."""
+        owner = self._owner
+        return {int(owner[b]) for b in np.flatnonzero(owner >= 0).tolist()
+                if b not in self._arriving}
+
+    @_locked
+    def claimed_by(self, worker: int) -> int:
+        """Batches ``worker`` holds now (claimed, not done)."""
+        return int(np.count_nonzero(self._owner == worker))
+
+    @_locked
+    def state_dict(self) -> dict[str, Any]:
+        done = self._owner == _DONE
+        return {"epoch": self.epoch, "num_batches": len(self._owner),
+                "done": np.packbits(done).tobytes(), "taken": dict(self._taken),
+                "pending": int(np.count_nonzero(self._owner == _PENDING)),
+                "claimed": int(np.count_nonzero(self._owner >= 0))}
+
+    @_locked
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        n = int(state["num_batches"])
+        done = np.unpackbits(np.frombuffer(state["done"], dtype=np.uint8), count=n)
+        self.epoch = int(state["epoch"])
+        self._owner = np.where(done.astype(bool), _DONE, _PENDING).astype(np.int64)
+        self._taken = {int(w): int(n) for w, n in state["taken"].items()}
+        self._arriving.clear()
+        self._cursor = 0
