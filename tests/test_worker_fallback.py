@@ -49,7 +49,7 @@ def test_pushes_after_a_fall_back_to_the_actor_are_not_counted_as_bucketed(clien
                           mode="async", device="cpu", timeout=30)
     try:
         result = _train(worker, handle, FlatModel(worker.model(), torch.device("cpu")),
-                        torch.device("cpu"), 0, None, 0, time.perf_counter())
+                        torch.device("cpu"), 0, None, 0, 2, time.perf_counter())
     finally:
         handle.close()
         holder.close().result(timeout=30)

@@ -83,7 +83,7 @@ _DOCS: dict[str, dict[str, str]] = {
         "metrics": "named metrics measured in training and validation: accuracy, topK "
                    "(e.g. top5), mae, mse, or \"file.py:function\" (default: none)",
         "mode": "sync | average | soft | ssp | async",
-        "workers": "model replicas (Dask tasks)",
+        "workers": "model replicas (Dask tasks), or [least, most] to follow the cluster",
         "batch_size": "samples per batch PER WORKER",
         "seed": "seed of the epoch plans (shuffling)",
         "shuffle": "shuffle every epoch",

@@ -218,7 +218,9 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         trainer._load(run.parameters())
         record = epoch_record(epoch, reports, time.perf_counter() - epoch_started)
         if run.worker_config.assignment == "dynamic":
-            record["batches_per_worker"] = dict(sorted(run.shares.items()))
+            shares = run.shares  # a list by worker: a History's JSON keeps it as it is
+            record["batches_per_worker"] = [shares.get(w, 0) for w in
+                                            range(max(shares, default=-1) + 1)]
         if validation is not None:
             record["validation"] = trainer.evaluate(validation, client=client)
         history.epochs.append(record)

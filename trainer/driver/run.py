@@ -238,7 +238,10 @@ class FitRun:
             if w in gone:
                 self.call("drop", w, f"its Dask worker {self._places.placed[w]} left the "
                                      "cluster")
-        busy = {ranks[f] for f in pending}
+        if self.work_left == 0:  # nothing left to hand out this epoch
+            return
+        # Every worker that had a task this epoch (running or finished) keeps its place.
+        busy = set(ranks.values())
         for w, address in self._places.gained(busy, self.member_addresses, workers).items():
             future = self._start(w, epoch, present, address)
             ranks[future] = w

@@ -265,8 +265,9 @@ class Trainer:
         self._current_run: FitRun | None = None
 
     def _config(self) -> dict[str, Any]:
-        """The settings that define a run (plain values only): a resume must match them."""
-        return run_settings(self)
+        """The settings that define a run (plain values only, for loggers), the number of
+        workers among them even where a resume may change it."""
+        return {**run_settings(self), "workers": saved_settings(self)["workers"]}
 
     # -- training ----------------------------------------------------------------------
     def fit(

@@ -237,6 +237,8 @@ class ParameterHolder:
         if fresh:
             self._epoch, self._epoch_start = epoch, self._version
         self._members.begin_epoch(present)
+        if present is not None:  # an elastic run's epoch: the modes count these workers
+            self.workers = present
         self._loop = asyncio.get_running_loop()
         if self._ledger is not None:
             if work is None:

@@ -244,6 +244,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
         strategy.load(params)
         _tell(handle, worker, taken_warnings())
         wait += time.perf_counter() - t1
+    retired = retired or (config.assignment == "dynamic" and retiring())
     if retired:
         items.close()  # stops the pipeline: nothing more is claimed
     handle.request("leave", worker, retired, what=f"worker {worker} to leave")
@@ -273,7 +274,7 @@ def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
 def _claim(handle: Handle, worker: int, epoch: int, stop: threading.Event) -> range | None:
     """The next run of global batches ``worker`` claims from the holder (on the pipeline's
     feeder thread); None once the epoch has no more work for it."""
-    while not stop.is_set():
+    while not stop.is_set() and not retiring():  # a retiring worker claims no more
         run = handle.request("claim", worker, epoch, what=f"work for worker {worker}")
         if run is None:
             return None
