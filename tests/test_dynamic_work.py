@@ -8,6 +8,7 @@ parameters count how often each row's gradient was applied.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 
@@ -18,9 +19,11 @@ from distributed import Client, LocalCluster
 import dasktrain as dt
 from dasktrain.pipeline import EpochPlan, Pipeline
 from dasktrain.trainer.driver.checkpoint import load_checkpoint
+from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.holder.ledger import WorkLedger
 from tests.common.counting import ROWS, register_tally, spread, tally
 from tests.common.data import indexed_dataset
+from tests.common.training import zeros
 
 ASYNC_MODES = ["async", "ssp", "soft"]
 
@@ -198,3 +201,35 @@ def test_dynamic_does_not_apply_to_lock_step_modes():
         dt.Trainer(tally, spread, register_tally(), mode="async", assignment="greedy")
     assert dt.Trainer(tally, spread, register_tally(), mode="async").assignment == "auto"
 
+
+
+# -- the holder's side ------------------------------------------------------------------
+def test_a_second_gradient_of_a_batch_is_refused_and_counts_once():
+    """Worker 0 claims batches, is given up (its claims go back), worker 1 claims one of
+    them, and both push it: the first is applied, the second refused, with an event and no
+    gradient record, and the parameters moved once."""
+
+    async def scenario():
+        config = HolderConfig(model=functools.partial(zeros, 3), optimizer=dt.optim.sgd(1.0),
+                              workers=2, mode="async", assignment="dynamic", batch_size=1)
+        holder = ParameterHolder(config)
+        try:
+            await holder.begin_epoch(0, True, (4, [0]), 2)
+            for w in range(2):
+                await holder.join(w, None, holder.layout)
+            first = await holder.claim(0, 0)
+            await holder.drop(0, "silent")  # what it claimed goes back to the pool
+            again = await holder.claim(1, 0)
+            ones = np.ones(3, dtype=np.float32)
+            await holder.push(0, 0, ones, 1, 0.5, (0, first[0]))  # it was alive after all
+            params, version = await holder.push(1, 0, ones, 1, 0.5, (0, again[0]))
+            return first, again, params, version, await holder.progress()
+        finally:
+            await holder.close()
+
+    first, again, params, version, progress = asyncio.run(scenario())
+    assert first[0] == again[0] == 0
+    assert version == 1  # one update
+    assert progress["records"]["dropped"] == [False]  # one gradient, applied
+    assert any("refused: batch 0 was already applied" in e for e in progress["events"])
+    np.testing.assert_allclose(params, np.full(3, -0.5, dtype=np.float32))  # lr/W x 1

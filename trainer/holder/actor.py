@@ -446,7 +446,8 @@ class ParameterHolder:
         if refusal is None:
             await self._mode.push(contribution)
         else:
-            await self.serially(self._refuse_repeat, contribution, refusal)
+            # An event, not a dropped gradient: its batch counts once, by its first one.
+            self.record_event(f"worker {worker}'s gradient refused: {refusal}")
         return await self.serially(self._reply, worker)
 
     def _admit(self, contribution: Contribution) -> str | None:
@@ -459,11 +460,6 @@ class ParameterHolder:
         if epoch != ledger.epoch:
             return f"it is of epoch {epoch}, not {ledger.epoch}"
         return ledger.arrive(contribution.worker, batch)
-
-    def _refuse_repeat(self, contribution: Contribution, reason: str) -> None:
-        self.record_event(f"worker {contribution.worker}'s gradient refused: {reason}")
-        self._records.gradient(staleness=self._version - contribution.version,
-                               worker=contribution.worker, dropped=True)
 
     async def push(self, worker: int, version: int, grads: np.ndarray | None, count: int,
                    loss: float, position: tuple[int, int]) -> tuple[np.ndarray, int]:

@@ -11,7 +11,8 @@ fast worker takes more of the epoch than a slow one. Exactly once per epoch:
   least one, so that claims shrink as the epoch ends and no worker ends up holding a long
   tail of work;
 * a gradient for a batch is admitted once (:meth:`WorkLedger.arrive`): a second one (its
-  first worker was given up and another took the batch, then both pushed) is refused;
+  first worker was given up and another took the batch, then both pushed) is refused (an
+  event of the History; the batch counts once);
 * a batch is done when the holder takes its gradient (:meth:`WorkLedger.taken`: applied,
   kept for a later update, or recorded as dropped by the mode's rule), in the holder's
   serial section, so that a checkpoint holds a batch as done exactly when its parameters
