@@ -26,6 +26,7 @@ of the epoch is pending.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import threading
@@ -68,6 +69,20 @@ class WorkLedger:
         self._arriving: set[int] = set()
         self._taken: dict[int, int] = {}  # batches done per worker this epoch
         self._cursor = 0  # no pending batch lies before it
+        # Batches per owner value (pending, done, each worker): what the per-push questions
+        # (finished, idle) read, instead of scanning the epoch.
+        self._count: collections.Counter[int] = collections.Counter()
+
+    def _move(self, batches: np.ndarray | slice | int, to: int) -> None:
+        """Give ``batches`` to owner ``to`` (a worker, pending or done), keeping the
+        counts."""
+        before = np.atleast_1d(self._owner[batches])
+        self._count.subtract(before.tolist())
+        self._count[to] += len(before)
+        self._owner[batches] = to
+
+    def _recount(self) -> None:
+        self._count = collections.Counter(self._owner.tolist())
 
     # -- the epoch ---------------------------------------------------------------------
     @_locked
@@ -81,25 +96,22 @@ class WorkLedger:
         else:
             self._owner = np.full(num_batches, _PENDING, dtype=np.int64)
             self._taken = {}
+        self._recount()
         self.epoch = epoch
         self._bounds = np.asarray(sorted(set(bounds) | {0}), dtype=np.int64)
         self._arriving.clear()
         self._cursor = 0
 
     @property
-    def num_batches(self) -> int:
-        return len(self._owner)
-
-    @property
     @_locked
     def finished(self) -> bool:
         """Every batch of the epoch is done."""
-        return bool(np.all(self._owner == _DONE))
+        return self._count[_DONE] == len(self._owner)
 
     @_locked
     def remaining(self) -> int:
         """Batches not done yet (pending, claimed or arriving)."""
-        return int(np.count_nonzero(self._owner != _DONE))
+        return len(self._owner) - self._count[_DONE]
 
     # -- claims ------------------------------------------------------------------------
     @_locked
@@ -108,13 +120,12 @@ class WorkLedger:
         is pending now (some may come back: see :attr:`finished`). ``live`` is the number
         of workers taking work, for the guided size."""
         owner = self._owner
-        free = np.flatnonzero(owner[self._cursor:] == _PENDING)
-        if not len(free):
+        pending = self._count[_PENDING]
+        if not pending:
             self._cursor = len(owner)
             return None
-        start = self._cursor + int(free[0])
+        start = self._cursor + int(np.argmax(owner[self._cursor:] == _PENDING))
         self._cursor = start
-        pending = len(free)
         size = min(self.claim_batches, max(1, math.ceil(pending / (2 * max(live, 1)))))
         bound = int(np.searchsorted(self._bounds, start, side="right"))
         stop = min(start + size, int(self._bounds[bound]) if bound < len(self._bounds)
@@ -123,7 +134,7 @@ class WorkLedger:
         taken = np.flatnonzero(run != _PENDING)
         if len(taken):  # a released batch's neighbour is still out: a shorter run
             stop = start + int(taken[0])
-        owner[start:stop] = worker
+        self._move(slice(start, stop), worker)
         return range(start, stop)
 
     @_locked
@@ -138,7 +149,7 @@ class WorkLedger:
         # Claimed by another worker after this one's claim was given back: the first
         # gradient in wins, the other's is refused when it comes.
         del state
-        self._owner[batch] = worker
+        self._move(batch, worker)
         self._arriving.add(batch)
         return None
 
@@ -146,7 +157,7 @@ class WorkLedger:
     def taken(self, worker: int, batch: int) -> None:
         """``worker``'s gradient of ``batch`` was taken (serial section)."""
         if 0 <= batch < len(self._owner) and self._owner[batch] != _DONE:
-            self._owner[batch] = _DONE
+            self._move(batch, _DONE)
             self._arriving.discard(batch)
             self._taken[worker] = self._taken.get(worker, 0) + 1
 
@@ -156,7 +167,7 @@ class WorkLedger:
         back = np.flatnonzero(self._owner == worker)
         back = np.asarray([b for b in back.tolist() if b not in self._arriving], dtype=np.int64)
         if len(back):
-            self._owner[back] = _PENDING
+            self._move(back, _PENDING)
             self._cursor = min(self._cursor, int(back[0]))
         return len(back)
 
@@ -174,8 +185,7 @@ class WorkLedger:
     def idle(self, worker: int) -> bool:
         """``worker`` holds no work and none is pending: it has nothing to push (unless
         work comes back to the pool)."""
-        owner = self._owner
-        return not np.any(owner == _PENDING) and not np.any(owner == worker)
+        return not self._count[_PENDING] and not self._count[worker]
 
     @_locked
     def holders(self) -> set[int]:
@@ -185,17 +195,12 @@ class WorkLedger:
                 if b not in self._arriving}
 
     @_locked
-    def claimed_by(self, worker: int) -> int:
-        """Batches ``worker`` holds now (claimed, not done)."""
-        return int(np.count_nonzero(self._owner == worker))
-
-    @_locked
     def state_dict(self) -> dict[str, Any]:
         done = self._owner == _DONE
         return {"epoch": self.epoch, "num_batches": len(self._owner),
                 "done": np.packbits(done).tobytes(), "taken": dict(self._taken),
-                "pending": int(np.count_nonzero(self._owner == _PENDING)),
-                "claimed": int(np.count_nonzero(self._owner >= 0))}
+                "pending": self._count[_PENDING],
+                "claimed": len(self._owner) - self._count[_PENDING] - self._count[_DONE]}
 
     @_locked
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -203,6 +208,7 @@ class WorkLedger:
         done = np.unpackbits(np.frombuffer(state["done"], dtype=np.uint8), count=n)
         self.epoch = int(state["epoch"])
         self._owner = np.where(done.astype(bool), _DONE, _PENDING).astype(np.int64)
+        self._recount()
         self._taken = {int(w): int(n) for w, n in state["taken"].items()}
         self._arriving.clear()
         self._cursor = 0
