@@ -16,6 +16,7 @@ from dasktrain.datasets import (
     prepare,
     verify,
 )
+from dasktrain.datasets.tokenizers import load_tokenizer
 from dasktrain.errors import DasktrainError
 
 try:
@@ -27,6 +28,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 # every Dask worker that only runs preparation tasks) never pays for importing torch.
 _LAZY = {
     "EpochPlan": "dasktrain.pipeline",
+    "NamedBatch": "dasktrain.pipeline",
     "Pipeline": "dasktrain.pipeline",
     "PipelineError": "dasktrain.pipeline",
     "Callback": "dasktrain.trainer",
@@ -52,6 +54,8 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name == "optim":  # dt.optim.sgd(...): plain configs, no torch import until built
         return import_module("dasktrain.trainer.optim")
+    if name == "images":  # dt.images.ImageTransform(...): decoding and augmentation
+        return import_module("dasktrain.pipeline.images")
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dasktrain' has no attribute {name!r}")
@@ -76,6 +80,7 @@ __all__ = [
     "LiveView",
     "MLflowLogger",
     "ModelCheckpoint",
+    "NamedBatch",
     "ParameterHolder",
     "Pipeline",
     "PipelineError",
@@ -92,6 +97,8 @@ __all__ = [
     "compare",
     "describe",
     "get_client",
+    "images",
+    "load_tokenizer",
     "open_dataset",
     "optim",
     "prepare",

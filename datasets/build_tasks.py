@@ -12,6 +12,7 @@ from distributed import Client
 
 from dasktrain._malloc import tune_allocator
 from dasktrain._progress import gather_with_progress
+from dasktrain.datasets.format import create_sample_array
 from dasktrain.datasets.sources import Source
 from dasktrain.datasets.sources.base import BlockReader
 
@@ -66,8 +67,8 @@ def create_arrays(group: zarr.Group, source: Source, num_samples: int, chunk_row
                   compression: str) -> dict[str, zarr.Array]:
     """The output arrays of a build, one per array of the source, chunked by rows."""
     return {
-        name: group.create_array(
-            name, shape=(num_samples, *spec.sample_shape), dtype=spec.dtype,
+        name: create_sample_array(
+            group, name, shape=(num_samples, *spec.sample_shape), dtype=spec.dtype,
             chunks=(min(chunk_rows, max(num_samples, 1)), *spec.sample_shape),
             compressors=_compressors(compression), fill_value=0,
             # Every chunk is stored, zeros too: a chunk that is not there is then damage,

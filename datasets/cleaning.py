@@ -43,10 +43,12 @@ def constant_columns(attrs: dict[str, Any]) -> dict[str, list[str]]:
     """Per normalised array, its features that were constant where normalisation was
     fitted (and are therefore zeros): column names where the source has them, else flat
     feature indices."""
-    names = attrs.get("provenance", {}).get("source_details", {}).get("features")
+    details = attrs.get("provenance", {}).get("source_details", {})
     found = {}
     for array, norm in (attrs.get("normalization") or {}).items():
         indices = norm.get("constant") or []
+        # A table's columns per array; older datasets name only the features of "x".
+        names = (details.get("columns") or {}).get(array, details.get("features"))
         if indices:
             found[array] = [repr(names[i]) if isinstance(names, list) and i < len(names)
                             else str(i) for i in indices]

@@ -65,6 +65,16 @@ class Dataset:
     def role_of(self, name: str) -> str:
         return self.attrs["arrays"][name]["role"]
 
+    @property
+    def roles(self) -> dict[str, str]:
+        """Each array's role (``features``, ``targets`` or ``other``), by name, in order."""
+        return {name: self.role_of(name) for name in self.array_names}
+
+    def names_with_role(self, role: str) -> list[str]:
+        """The names of the arrays of ``role``, in order (a model of several inputs has
+        several ``features`` arrays)."""
+        return [n for n in self.array_names if self.role_of(n) == role]
+
     def _name_with_role(self, role: str) -> str | None:
         names = [n for n in self.array_names if self.role_of(n) == role]
         return names[0] if names else None

@@ -30,14 +30,25 @@ An array's entry may name its ``"path"`` within the group (default: its name). D
 object storage use it: each build writes its arrays under its own prefix
 (``dasktrain-build-<dataset_id>/x``) and the group's ``zarr.json``, written last in one
 PUT, points at them; see :mod:`dasktrain.datasets.remote`.
+
+A token dataset (a text corpus, see :mod:`dasktrain.datasets.sources.text`) also records
+``"text"``: its tokenizer (``{"kind": "bytes", ...}`` or ``{"kind": "huggingface", "path":
+..., "sha256": ...}``, with ``vocab_size`` and ``eot_id``), ``seq_len``, the token dtype,
+which arrays are the input and the target (``"x"``, ``"y"``), and the documents and tokens
+counted (``tokens_dropped``: the tail shorter than one sequence).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import warnings
+from typing import Any
 
 import numpy as np
+import zarr
+from zarr.dtype import VariableLengthBytes
+from zarr.errors import UnstableSpecificationWarning
 
 __all__ = [
     "ATTRS_KEY",
@@ -46,6 +57,7 @@ __all__ = [
     "READABLE_VERSIONS",
     "ROLES",
     "chunk_rows_for",
+    "create_sample_array",
     "parse_size",
 ]
 
@@ -54,7 +66,11 @@ FORMAT_VERSION = 2
 #: Versions :func:`~dasktrain.open_dataset` reads.
 READABLE_VERSIONS = (1, 2)
 ATTRS_KEY = "dasktrain"
-ROLES = ("features", "targets")
+#: What an array is for. ``features``: model inputs (float32; normalised by ``normalize``).
+#: ``targets``: what the loss compares the output with (integers int64, else float32; never
+#: normalised). ``other``: served by name beside them, neither an input nor a target by
+#: default (sample weights, ids, masks for a custom step; stored as targets are).
+ROLES = ("features", "targets", "other")
 #: 4 MiB of rows (all arrays together) per chunk: large enough that a read task does real
 #: work, small enough that a prefetch window of a few blocks stays in the tens of MiB.
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -90,3 +106,19 @@ def chunk_rows_for(row_bytes: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> i
 def row_bytes(dtypes_and_shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> int:
     """Bytes one sample takes across arrays given as (dtype, per-sample shape) pairs."""
     return sum(np.dtype(dt).itemsize * math.prod(shape) for dt, shape in dtypes_and_shapes)
+
+
+def create_sample_array(group: zarr.Group, name: str, *, dtype: np.dtype, **options: Any
+                        ) -> zarr.Array:
+    """``group.create_array(name, dtype=dtype, **options)``, where an ``object`` dtype means
+    variable-length bytes (encoded images): zarr's ``VariableLengthBytes``.
+
+    Zarr warns that this type has no Zarr v3 specification yet; its chunks are numcodecs'
+    ``vlen-bytes`` encoding, unchanged since Zarr v2, and the docs say so once (datasets,
+    "Images") instead of every build.
+    """
+    if np.dtype(dtype) != np.dtype(object):
+        return group.create_array(name, dtype=dtype, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnstableSpecificationWarning)
+        return group.create_array(name, dtype=VariableLengthBytes(), **options)

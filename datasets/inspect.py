@@ -41,6 +41,28 @@ def _stored_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
         return int(fs.du(f"{root}/{array_path(ds.attrs, name)}"))
 
 
+def _raw_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
+    """Bytes of an array's values. For variable-length bytes (encoded images) Zarr counts
+    one pointer per item; their total is the recorded mean length times the count."""
+    if z.dtype != object:
+        return z.nbytes
+    stat = ds.attrs["stats"].get(name) or {}
+    return round(float(stat.get("mean", 0)) * int(stat.get("count", 0)))
+
+
+def _images_line(images: dict[str, Any], classes: list[str] | None) -> str:
+    """``images    decoded NCHW 3x32x32 (center-crop), 3 classes: cat, dog, eel``."""
+    how = (f"decoded {images['layout']} {images['channels']}x"
+           f"{'x'.join(map(str, images['size']))} ({images['fit']})"
+           if images.get("storage") == "decoded" else "encoded (the files' bytes)")
+    if classes:
+        shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+        how += f", {len(classes):,} classes: {shown}"
+    if images.get("skipped"):
+        how += f"; {images['skipped']:,} unreadable files skipped"
+    return f"images    {how}"
+
+
 def _normalized(attrs: dict[str, Any], array: str, norm: dict[str, Any]) -> str:
     constant = constant_summary(attrs, array)
     return f"{array} (fitted on {norm['fitted_on']})" + (f"; {constant}" if constant else "")
@@ -62,7 +84,7 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     lines.append("arrays")
     for name in ds.array_names:
         z = ds.zarr_array(name)
-        raw, stored = z.nbytes, _stored_bytes(ds, name, z)
+        raw, stored = _raw_bytes(ds, name, z), _stored_bytes(ds, name, z)
         total_raw += raw
         total_stored += stored
         codecs = ", ".join(type(c).__name__.removesuffix("Codec").lower()
@@ -74,6 +96,9 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     ratio = total_raw / total_stored if total_stored else math.inf
     lines.append(f"size      {_human(total_raw)} raw, {_human(total_stored)} stored "
                  f"(compression {ratio:.2f}x)")
+    if attrs.get("images"):
+        lines.append(_images_line(attrs["images"],
+                                  (attrs.get("labels") or {}).get(ds.targets_name or "")))
     splits = ds.splits
     lines.append("splits    " + (", ".join(f"{k}={b - a:,} [{a:,}:{b:,})"
                                          for k, (a, b) in splits.items()) or "none"))

@@ -17,7 +17,6 @@ from dasktrain.datasets.build_tasks import (
     task_slots,
 )
 from dasktrain.datasets.config import PrepareConfig
-from dasktrain.datasets.format import row_bytes
 from dasktrain.datasets.sources import Source
 from dasktrain.datasets.sources.base import BlockReader
 from dasktrain.datasets.write_tasks import write_rows
@@ -36,7 +35,7 @@ def write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockRea
     # Bound once, in a partial: dask would otherwise walk the arrays and the reader in the
     # arguments of every task, looking for collections (milliseconds per task).
     write = functools.partial(write_rows, out, reader, not src.known_finite)
-    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in src.specs.values()])
+    chunk_bytes = chunk_rows * sum(s.sample_bytes for s in src.specs.values())
     groups = plan_tasks(len(starts), chunk_bytes, task_slots(client))
     results = run_tasks(client, write,
                         [([(starts[i], starts[i] + lengths[i]) for i in group],)

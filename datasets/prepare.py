@@ -50,12 +50,13 @@ from dasktrain.datasets.chunks import MANIFEST_KEY, manifest_of
 from dasktrain.datasets.cleaning import warn_about_cleaning
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
-from dasktrain.datasets.errors import DatasetError
-from dasktrain.datasets.format import FORMAT_VERSION, chunk_rows_for, row_bytes
+from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.format import FORMAT_VERSION, chunk_rows_for
 from dasktrain.datasets.one_pass import write_direct
 from dasktrain.datasets.remote import StagedPrefix, check_output_url
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
 from dasktrain.datasets.sources.base import source_settings
+from dasktrain.datasets.sources.named import check_specs
 from dasktrain.datasets.splits import SplitPlan
 from dasktrain.datasets.stats import merge_all
 from dasktrain.datasets.two_pass import write_staged
@@ -100,8 +101,13 @@ def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None)
 def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_store: StoreLike,
            config: PrepareConfig, progress: bool) -> dict[str, Any]:
     specs = src.specs
-    chunk_rows = config.chunk_rows or chunk_rows_for(
-        row_bytes([(s.dtype, s.sample_shape) for s in specs.values()]), config.chunk_size)
+    row_bytes = sum(s.sample_bytes for s in specs.values())
+    # A source may round the rows of a chunk (images: whole pieces of the pipeline's work)
+    rows_for = getattr(src, "chunk_rows_for", chunk_rows_for)
+    chunk_rows = config.chunk_rows or rows_for(row_bytes, config.chunk_size)
+    scan = getattr(src, "scan", None)
+    if scan is not None:  # a pass before the rows are known (a text corpus: its tokens)
+        scan(client, progress)
     arrays = src.to_dask(chunk_rows)
     chunk_rows = min(chunk_rows, src.num_samples)
     names = list(specs)
@@ -143,6 +149,8 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_s
         "provenance": _provenance(source, src, config),
         MANIFEST_KEY: manifest_of([written for _, written in results],
                                   dict.fromkeys(names, -(-num_samples // chunk_rows))),
+        # What a source adds (a token dataset: its tokenizer and packing, under "text").
+        **getattr(src, "attributes", {}),
     }
 
 
@@ -178,6 +186,8 @@ def prepare(
     config, **options
         A :class:`PrepareConfig`, or its fields as keywords (``split="train=0.9,val=0.1"``,
         ``normalize=True``, ``chunk_rows=8192``, ``samples=...``, ``overwrite=True``...).
+        ``arrays=["image", "metadata", "label:targets"]`` writes several named arrays (the
+        members of an ``.npz``, column groups of a table ``"meta=a,b"``), each with its role.
 
     Returns
     -------
@@ -224,6 +234,13 @@ def prepare(
         source_options = SourceOptions(**source_settings(config),
                                        scratch_dir=staged.source_scratch)
         src = get_source(source, source_options)
+        integers = [f"{n!r} ({s.dtype})" for n, s in src.specs.items()
+                    if s.role == "features" and s.dtype.kind in "biuO"]
+        if config.normalize and integers:
+            raise SourceError(f"normalize standardises float features; {', '.join(integers)} "
+                              "holds integers or bytes (tokens, pixels, encoded images): "
+                              "leave out --normalize")
+        check_specs(os.fspath(source), src.specs, src.provenance, config.arrays)
         with cluster_client(client, scheduler) as active:
             attrs = _build(active, os.fspath(source), src, staged.open_group(),
                            staged.stage_store(), config, progress)

@@ -155,8 +155,33 @@ class ClassCounts:
 Summary = Moments | ClassCounts
 
 
+def _channel_moments(images: np.ndarray) -> Moments:
+    """Moments per channel of uint8 images (samples, channels, height, width), exact: from
+    integer sums of the values and of their squares (three times faster than a histogram).
+    Per-pixel statistics of a 224x224 image would be 150,528 numbers of each kind in the
+    attributes; the per-channel ones are what a normalisation of images takes."""
+    count = images.shape[0] * images.shape[2] * images.shape[3]
+    means, m2s, lows, highs = [], [], [], []
+    for channel in range(images.shape[1]):
+        values = images[:, channel]
+        total = int(values.sum(dtype=np.uint64))
+        squares = int(np.square(values, dtype=np.uint16).sum(dtype=np.uint64))
+        means.append(total / max(count, 1))
+        # n * sum(x^2) - sum(x)^2 in Python integers: exact, no cancellation
+        m2s.append((count * squares - total * total) / max(count, 1))
+        lows.append(float(values.min()) if count else np.inf)
+        highs.append(float(values.max()) if count else -np.inf)
+    return Moments(count, np.array(means), np.array(m2s), np.array(lows), np.array(highs))
+
+
 def summary_of(block: np.ndarray) -> Summary:
-    """The right summary for a block: class counts for integer labels, moments otherwise."""
+    """The right summary for a block: class counts for integer labels, moments per channel
+    for uint8 images (samples, channels, height, width), moments of the lengths for
+    variable-length bytes (encoded images), moments otherwise."""
+    if block.dtype == np.uint8 and block.ndim == 4:
+        return _channel_moments(block)
+    if block.dtype == object:
+        return Moments.of(np.fromiter(map(len, block), np.float64, len(block)))
     return ClassCounts.of(block) if block.dtype.kind in "iu" else Moments.of(block)
 
 

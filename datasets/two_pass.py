@@ -26,7 +26,7 @@ from dasktrain.datasets.build_tasks import (
 )
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.errors import SourceError
-from dasktrain.datasets.format import row_bytes
+from dasktrain.datasets.format import create_sample_array
 from dasktrain.datasets.sources import Source
 from dasktrain.datasets.sources.base import BlockReader
 from dasktrain.datasets.splits import SplitPlan
@@ -46,17 +46,20 @@ def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     names = list(specs)
     scratch_root = zarr.open_group(scratch_store, mode="w")
     scratch = {
-        name: scratch_root.create_array(
-            name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
+        name: create_sample_array(
+            scratch_root, name, shape=(src.num_samples, *spec.sample_shape), dtype=spec.dtype,
             chunks=(chunk_rows, *spec.sample_shape), compressors=None, fill_value=0,
             # Chunk files side by side, not a directory each: fewer to make and remove.
             chunk_key_encoding={"name": "default", "separator": "."})
         for name, spec in specs.items()
     }
-    features = [n for n in names if specs[n].role == "features"]
-    fit_name = features[0] if config.normalize and features else None
-    stage = functools.partial(stage_chunks, scratch, 0, fit_name, not src.known_finite, reader)
-    chunk_bytes = chunk_rows * row_bytes([(s.dtype, s.sample_shape) for s in specs.values()])
+    # Every features array of floats is normalised, each with its own mean and std per
+    # value; integer or byte features (token ids, uint8 pixels, encoded images) keep their
+    # values, for an embedding or a transform to use.
+    fit_names = tuple(n for n in names if specs[n].role == "features"
+                      and specs[n].dtype.kind == "f") if config.normalize else ()
+    stage = functools.partial(stage_chunks, scratch, 0, fit_names, not src.known_finite, reader)
+    chunk_bytes = chunk_rows * sum(s.sample_bytes for s in specs.values())
     parallelism = task_slots(client)
     groups = plan_tasks(len(starts), chunk_bytes, parallelism)
     args = []
@@ -80,18 +83,18 @@ def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
                 f"split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} would be "
                 f"empty with {num_samples} samples; use larger fractions or more data"
             )
-    norm, normalization = {}, None
-    if fit_name is not None:
-        fit = merge_all([m for _, m in staged])
+    norm, normalization = {}, {}
+    for fit_name in fit_names:
+        fit = merge_all([m[fit_name] for _, m in staged])
         # A constant feature is divided by 1, not by a std of 0 (or of rounding noise): it
         # becomes 0, which the preparation warns about.
         constant = fit.constant
         std = np.where((fit.std > 0) & ~constant, fit.std, 1.0)
         norm[fit_name] = (fit.mean.astype(np.float32), std.astype(np.float32))
-        normalization = {fit_name: {
+        normalization[fit_name] = {
             "mean": fit.mean.tolist(), "std": std.tolist(), "count": fit.count,
             "fitted_on": plan.names[0] if plan else "all",
-            "constant": np.flatnonzero(constant).tolist()}}
+            "constant": np.flatnonzero(constant).tolist()}
     out = create_arrays(root, src, num_samples, chunk_rows, config.compression)
     scratch_list = [scratch[n] for n in names]
     write = functools.partial(write_chunks, out, scratch_list, norm)
@@ -100,7 +103,7 @@ def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
                         [([(j * chunk_rows, layout[j]) for j in group],)
                          for group in plan_tasks(len(layout), chunk_bytes, parallelism)],
                         None, "writing", progress)
-    return results, counts, normalization
+    return results, counts, normalization or None
 
 
 def _layout(counts: np.ndarray, starts: list[int], chunk_rows: int

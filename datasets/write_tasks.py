@@ -110,14 +110,14 @@ def _write_together(out: dict[str, zarr.Array], rows: slice, blocks: dict[str, n
     zarr_sync(write_all())
 
 
-def stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str | None,
+def stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_names: tuple[str, ...],
                   clean: bool, reader: BlockReader | None, ranges: list[tuple[int, int]],
                   plan: SplitPlan | None, *blocks: np.ndarray
-                  ) -> list[tuple[np.ndarray, Moments | None]]:
+                  ) -> list[tuple[np.ndarray, dict[str, Moments]]]:
     """First pass, chunk by chunk (``ranges``; the source's blocks of each in ``blocks``
     where there is no reader): drop non-finite rows, group the rest by split into the
-    scratch arrays, and return per chunk the rows of each split and the moments of the
-    rows normalisation is fitted on."""
+    scratch arrays, and return per chunk the rows of each split and, per array of
+    ``fit_names``, the moments of the rows normalisation is fitted on."""
     names = list(scratch)
     staged = []
     for k, (start, stop) in enumerate(ranges):
@@ -131,11 +131,10 @@ def stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_name: str |
         grouped = {name: block[rows] for name, block in named.items()}
         _write_together(scratch, slice(start, start + len(rows)), grouped)
         counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
-        fit = None
-        if fit_name is not None:
-            # The rows of a split are a contiguous run of the grouped rows: a view, no copy.
-            first = int(counts[:fit_split].sum())
-            fit = Moments.of(grouped[fit_name][first : first + int(counts[fit_split])])
+        # The rows of a split are a contiguous run of the grouped rows: a view, no copy.
+        first = int(counts[:fit_split].sum())
+        fit = {name: Moments.of(grouped[name][first : first + int(counts[fit_split])])
+               for name in fit_names}
         staged.append((counts, fit))
     return staged
 

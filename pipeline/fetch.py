@@ -5,6 +5,7 @@ batch over in the shape asked for."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from concurrent.futures import CancelledError
 
 import numpy as np
@@ -15,6 +16,7 @@ from distributed.client import FutureCancelledError
 from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
 from dasktrain.pipeline.errors import PipelineError
+from dasktrain.pipeline.named import NamedBatch
 from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.tasks import BlockFailed, EpochContext, assemble_batches, load_window
 
@@ -106,11 +108,13 @@ class Delivery:
     as_dict: bool
     features_name: str
     targets_name: str | None
+    roles: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Each array's role, which dict batches carry (:class:`NamedBatch`)."""
 
     def __call__(self, tensors: Tensors) -> Batch:
         if self.device.type != "cpu":
             tensors = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
         if self.as_dict:
-            return tensors
+            return NamedBatch(tensors, self.roles)
         x = tensors[self.features_name]
         return x if self.targets_name is None else (x, tensors[self.targets_name])

@@ -32,6 +32,7 @@ from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.feeder import Feeder
 from dasktrain.pipeline.fetch import Batch, Delivery, Tensors, unit_where
+from dasktrain.pipeline.named import check_pair_batches
 from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit
 from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.submit import PLACEMENTS, Submitter, placement_kwargs, release
@@ -102,7 +103,9 @@ class Pipeline:
         without a transform (reading and shuffling cost less than moving the rows from a
         worker), ``"anywhere"`` with one.
     as_dict
-        Yield dicts of tensors keyed by array name instead of ``(x, y)``.
+        Yield dicts of tensors keyed by array name instead of ``(x, y)``
+        (:class:`NamedBatch`, which also knows each array's role). A dataset of several
+        features (or targets) arrays needs them: ``(x, y)`` would leave some out.
     timeout
         Seconds to wait for one block before failing with a clear error.
     """
@@ -131,6 +134,8 @@ class Pipeline:
     ) -> None:
         self.dataset = data if isinstance(data, Dataset) else open_dataset(data)
         n = len(self.dataset)
+        encoded = [name for name, a in self.dataset.attrs["arrays"].items()
+                   if a["dtype"] == "object"]
         checks = [
             (isinstance(batch_size, int) and batch_size > 0,
              f"batch_size must be a positive integer, got {batch_size!r}"),
@@ -152,6 +157,11 @@ class Pipeline:
              f"placement must be one of {PLACEMENTS}, got {placement!r}"),
             (timeout > 0, f"timeout must be positive, got {timeout!r}"),
             (transform is None or callable(transform), "transform must be callable"),
+            # Bytes make no tensor: an encoded image dataset is read through its decoder.
+            (transform is not None or not encoded,
+             f"array(s) {encoded} of {self.dataset!r} hold encoded images (the files' "
+             "bytes): give a transform that decodes them, e.g. "
+             "transform=dasktrain.pipeline.images.ImageTransform()"),
         ]
         for ok, message in checks:
             if not ok:
@@ -186,8 +196,10 @@ class Pipeline:
         self._epoch = 0
         self._position = 0  # batches of the current epoch already handed to the consumer
         # Looked up once: it runs for every batch.
+        if not as_dict:
+            check_pair_batches(self.dataset)
         self._deliver = Delivery(self.device, as_dict, self.dataset.features_name,
-                                 self.dataset.targets_name)
+                                 self.dataset.targets_name, self.dataset.roles)
         names = tuple(self.dataset.array_names)
         self._ref = ArraysRef(names, tuple(self.dataset.zarr_array(n) for n in names))
         # Names this pipeline's tasks. Every rank must arrive at the same token (ranks share

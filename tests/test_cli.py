@@ -41,7 +41,7 @@ def sources(tmp_path_factory):
     (["prepare", "{d}/strings.npy", "{out}"], ["non-numeric"]),
     (["prepare", "{d}/text.csv", "{out}"], ["non-numeric column 'city'",
                                             "--encode-categorical"]),
-    (["prepare", "{d}/notes.txt", "{out}"], ["'.txt' are not supported"]),
+    (["prepare", "{d}/notes.txt", "{out}"], ["notes.txt holds 6 tokens", "--seq-len"]),
     (["prepare", "parabola", "{d}/a_file/out.zarr"], ["not a directory"]),
     (["prepare", "parabola", "/proc/dasktrain-out.zarr"], ["/proc"]),
     (["prepare", "parabola", "{out}", "--split", "train=0.9,val=0.2"], ["sum to"]),

@@ -75,3 +75,28 @@ def test_out_of_core_example_streams_and_reports_memory_and_stall(tmp_path):
     assert len(peaks) == 2, out
     # Streaming keeps every worker under its limit.
     assert all(int(line.rsplit("(", 1)[1].rstrip("%)")) < 100 for line in peaks), out
+
+
+@pytest.mark.slow
+def test_tiny_lm_example_prepares_trains_and_writes_a_sample(tmp_path):
+    out = _run_example("tiny_lm.py", "--max-mb", "0.05", "--seq-len", "32", "--d-model", "32",
+                       "--layers", "1", "--epochs", "1", "--sample", "40", "--no-progress",
+                       "--out", str(tmp_path / "lm"), cwd=tmp_path).stdout
+    assert out.startswith("prepared "), out
+    epoch = next(line for line in out.splitlines() if line.startswith("epoch 0:"))
+    bits = float(epoch.split("= ")[1].split()[0])
+    assert bits < 7.0, epoch  # a uniform guess over 257 ids is 8.0 bits per byte
+    assert "sample after 'def ':" in out
+
+
+@pytest.mark.slow
+def test_images_example_prepares_both_ways_trains_two_modes_and_draws_a_grid(client,
+                                                                              tmp_path):
+    out = _run_example("images.py", "--dir", str(tmp_path / "images"), "--per-class", "24",
+                       "--epochs", "1", "--scheduler", client.scheduler.address,
+                       cwd=tmp_path).stdout
+    assert "prepared decoded: 96 images" in out and "prepared encoded: 96 images" in out
+    modes = [line for line in out.splitlines() if "val accuracy" in line]
+    assert [line.split()[0] for line in modes] == ["sync", "async"], out
+    assert "4 classes: circle, cross, square, triangle" in out
+    assert (tmp_path / "images" / "augmented.png").stat().st_size > 10_000

@@ -66,18 +66,48 @@ def _build_parser() -> argparse.ArgumentParser:
     prep = commands.add_parser(
         "prepare", help="build a dataset from files, a bundled dataset or a generator",
         description="Build a dasktrain Zarr dataset with Dask.")
-    prep.add_argument("source", help=f"a .npy/.npz/.csv/.parquet file or directory, or one of "
+    prep.add_argument("source", help=f"a .npy/.npz/.csv/.parquet/.txt file or directory, a "
+                                     "folder of class sub-folders of images, or one of "
                                      f"{', '.join(builtin_names())}")
     prep.add_argument("out", help="directory or URL (s3://bucket/name.zarr) of the new dataset")
     prep.add_argument("--features", help="comma-separated feature columns (tabular) or the "
                                          "features array name (npz)")
     prep.add_argument("--target", help="target column, npz array name, or .npy file of targets")
+    prep.add_argument("--array", dest="arrays", action="append", metavar="NAME[=FROM][:ROLE]",
+                      help="write several named arrays instead of --features/--target: an "
+                           "npz member (`all` for every one) or a table's column group "
+                           "(image=a,b,c), ROLE features, targets or other; repeatable")
     prep.add_argument("--encode-categorical", action="store_true",
                       help="encode non-numeric columns as integer codes instead of refusing")
     prep.add_argument("--samples", type=int, help="samples of a synthetic dataset")
     prep.add_argument("--width", type=int, help="features of a synthetic dataset")
     prep.add_argument("--classes", type=int, help="classes of `classification`")
     prep.add_argument("--noise", type=float, help="noise level of a synthetic dataset")
+    prep.add_argument("--text-column", metavar="COLUMN",
+                      help="make a token dataset of a CSV/Parquet column of documents")
+    prep.add_argument("--text-glob", metavar="PATTERNS",
+                      help="files of a directory that are documents of a text corpus, e.g. "
+                           "'*.py,!tests/*' (`*` crosses `/`, `!` leaves out; default *.txt)")
+    prep.add_argument("--tokenizer", metavar="bytes|PATH",
+                      help="tokenizer of a text source: bytes (default) or a tokenizer.json")
+    prep.add_argument("--seq-len", type=int,
+                      help="tokens per packed sequence of a text source (default 1024)")
+    prep.add_argument("--eot-token", metavar="TOKEN",
+                      help="end-of-text token of a tokenizer.json (default <|endoftext|>, "
+                           "</s>, ... whichever it has)")
+    prep.add_argument("--image-storage", choices=["decoded", "encoded"],
+                      help="images as uint8 pixels of one size (decoded, the default) or as "
+                           "the files' bytes, decoded by the pipeline's transform (encoded)")
+    prep.add_argument("--image-size", metavar="N|HxW",
+                      help="size of decoded images (default: the first image's)")
+    prep.add_argument("--image-fit", choices=["center-crop", "stretch"], default="center-crop",
+                      help="how an image of another size is brought to --image-size")
+    prep.add_argument("--image-column", metavar="COLUMN",
+                      help="column of a CSV/Parquet manifest naming image files (found "
+                           "unasked when one column's first cell names a .jpg/.png)")
+    prep.add_argument("--skip-bad", action="store_true",
+                      help="leave out files that are not readable images (counted) instead "
+                           "of refusing the source")
     size = prep.add_mutually_exclusive_group()
     size.add_argument("--chunk-rows", type=int, help="samples per chunk")
     size.add_argument("--chunk-size", default="4MiB",
@@ -108,8 +138,13 @@ def _prepare(args: argparse.Namespace) -> int:
     from dasktrain.datasets import PrepareConfig, describe, prepare
 
     config = PrepareConfig(
-        features=args.features, target=args.target, encode_categorical=args.encode_categorical,
+        features=args.features, target=args.target, arrays=args.arrays,
+        encode_categorical=args.encode_categorical,
         samples=args.samples, width=args.width, classes=args.classes, noise=args.noise,
+        text_column=args.text_column, text_glob=args.text_glob, tokenizer=args.tokenizer,
+        seq_len=args.seq_len, eot_token=args.eot_token,
+        image_storage=args.image_storage, image_size=args.image_size,
+        image_fit=args.image_fit, image_column=args.image_column, skip_bad=args.skip_bad,
         chunk_rows=args.chunk_rows, chunk_size=args.chunk_size, normalize=args.normalize,
         split=args.split, seed=args.seed, compression=args.compression,
         overwrite=args.overwrite)

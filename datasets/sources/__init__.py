@@ -1,6 +1,13 @@
-"""Preparation sources: files (npy/npz, CSV/Parquet), bundled datasets and generators."""
+"""Preparation sources: files (npy/npz, CSV/Parquet, text, images), bundled data and generators."""
 
-from dasktrain.datasets.sources import arrays, bundled, synthetic, tabular  # noqa: F401  (registers)
+from dasktrain.datasets.sources import (  # noqa: F401  (registers)
+    arrays,
+    bundled,
+    images,
+    synthetic,
+    tabular,
+    text,
+)
 from dasktrain.datasets.sources.base import (
     ArraySpec,
     Source,

@@ -22,6 +22,7 @@ from dasktrain.datasets.sources.base import (
     register_suffix,
     stored_dtype,
 )
+from dasktrain.datasets.sources.named import resolve_choices
 
 __all__ = ["NumpySource"]
 
@@ -141,12 +142,37 @@ def _pick(keys: list[str], wanted: str | None, defaults: tuple[str, ...], what: 
     return next((k for k in defaults if k in keys), None)
 
 
+def _named_members(path: Path, options: SourceOptions
+                   ) -> tuple[dict[str, tuple[str, _MappedArray]], dict[str, Any]]:
+    """The members of an ``.npz`` that ``options.arrays`` choose, under their names and
+    roles (see :mod:`dasktrain.datasets.sources.named`)."""
+    if path.suffix.lower() != ".npz":
+        raise SourceError(f"{path}: arrays= chooses members of an .npz (or column groups of "
+                          "a table); an .npy holds one array")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            keys = [n.removesuffix(".npy") for n in archive.namelist()]
+    except zipfile.BadZipFile as exc:
+        raise SourceError(f"{path} is not a valid .npz archive: {exc}") from exc
+    if options.features or options.target is not None:
+        raise SourceError("give either arrays= (--array) or features=/target= "
+                          "(--features/--target), not both")
+    choices = resolve_choices(options.arrays or [], keys, where=str(path), what="member",
+                              one_each=True)
+    scratch = Path(options.scratch_dir or tempfile.mkdtemp(prefix="dasktrain-npz-"))
+    mapped = {c.name: (c.role, _map_npz_member(path, f"{c.sources[0]}.npy", scratch))
+              for c in choices}
+    return mapped, {"arrays": {c.name: {"from": c.sources[0], "role": c.role}
+                               for c in choices}}
+
+
 class NumpySource:
     """Features (and optionally targets) from ``.npy`` files or one ``.npz`` archive.
 
     * ``.npy``: the file holds the features; ``target=`` names a second ``.npy`` of targets.
     * ``.npz``: ``features=[name]`` and ``target=name`` pick arrays; by default ``x``/``X``
-      and ``y``/``Y`` (and a few common spellings) are used.
+      and ``y``/``Y`` (and a few common spellings) are used. ``arrays=`` writes several
+      members under names and roles of their own instead.
     """
 
     known_finite = False
@@ -157,7 +183,9 @@ class NumpySource:
         mapped: dict[str, tuple[str, _MappedArray]] = {}
         if path.is_dir():
             raise SourceError(f"{path}: give a .npy or .npz file, not a directory")
-        if path.suffix.lower() == ".npz":
+        if options.arrays is not None:
+            mapped, provenance = _named_members(path, options)
+        elif path.suffix.lower() == ".npz":
             try:
                 with zipfile.ZipFile(path) as archive:
                     keys = [n.removesuffix(".npy") for n in archive.namelist()]
@@ -193,7 +221,8 @@ class NumpySource:
         for name, (role, m) in mapped.items():
             check_numeric(name, m.dtype)
             if not m.shape:
-                raise SourceError(f"{path}: the {role} array is a scalar, not samples")
+                raise SourceError(f"{path}: the {role} array {name!r} is a scalar, not "
+                                  "samples")
         if len(set(lengths.values())) > 1:
             raise SourceError(f"{path}: arrays have mismatched lengths along axis 0: {lengths}")
         self.num_samples = next(iter(lengths.values()))

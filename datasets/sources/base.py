@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ __all__ = [
     "SourceSettings",
     "get_source",
     "register_builtin",
+    "register_layout",
+    "register_options",
     "register_suffix",
     "source_settings",
 ]
@@ -33,6 +36,16 @@ class ArraySpec:
     role: str
     dtype: np.dtype
     sample_shape: tuple[int, ...]
+    item_bytes: int | None = None
+    """Bytes one sample takes where its dtype cannot say: an estimate for variable-length
+    bytes (dtype ``object``, e.g. encoded images), which chunk sizes are planned with."""
+
+    @property
+    def sample_bytes(self) -> int:
+        """Bytes one sample of this array takes (estimated for variable-length bytes)."""
+        if self.item_bytes is not None:
+            return self.item_bytes
+        return self.dtype.itemsize * math.prod(self.sample_shape)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -49,6 +62,10 @@ class SourceSettings:
     target / autodetect."""
     target: str | None = None
     """Target column (tabular), array name (npz) or path of a ``.npy`` file of targets."""
+    arrays: list[str] | None = None
+    """Several named arrays, each ``NAME[=FROM][:ROLE]``: members of an ``.npz`` (``all``
+    for every member) or column groups of a table (``image=a,b,c``); see
+    :mod:`dasktrain.datasets.sources.named`. Replaces ``features`` and ``target``."""
     encode_categorical: bool = False
     """Encode non-numeric columns as integer category codes instead of refusing them."""
     samples: int | None = None
@@ -61,6 +78,34 @@ class SourceSettings:
     """Standard deviation of the noise a synthetic generator adds."""
     seed: int = 0
     """Seed of synthetic generators (and, when preparing, of the split assignment)."""
+    text_column: str | None = None
+    """Column of a CSV/Parquet source whose cells are documents: prepares a token dataset."""
+    text_glob: str | None = None
+    """Which files of a directory are documents of a text corpus: comma-separated patterns
+    matched against paths below it (``*`` crosses ``/``), ``!`` to leave some out, e.g.
+    ``"*.py,!site-packages/*"``; default ``*.txt``."""
+    tokenizer: str | None = None
+    """Tokenizer of a text source: ``bytes`` (default; bytes 0-255 + end-of-text 256) or
+    the path of a Hugging Face ``tokenizer.json``."""
+    seq_len: int | None = None
+    """Tokens per packed sequence of a text source (default 1024)."""
+    eot_token: str | None = None
+    """End-of-text token of a ``tokenizer.json`` (default: the first of
+    ``<|endoftext|>``, ``</s>``, ... it knows)."""
+    image_storage: str | None = None
+    """How an image source stores its images: ``decoded`` (default; uint8 pixels of a fixed
+    size, NCHW) or ``encoded`` (the files' bytes, decoded by the pipeline's transform)."""
+    image_size: str | int | None = None
+    """Size of decoded images, ``N`` or ``HxW``; default: the first image's size."""
+    image_fit: str = "center-crop"
+    """How an image of another size is brought to ``image_size``: ``center-crop`` (scale to
+    cover it, keep the middle) or ``stretch``."""
+    image_column: str | None = None
+    """Column of a CSV/Parquet manifest naming image files (paths or URLs; relative ones
+    from the manifest's folder): prepares an image dataset; labels from ``target``."""
+    skip_bad: bool = False
+    """Leave out files of an image source that are not readable images (counted, named in
+    the attributes) instead of refusing the source."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -139,6 +184,37 @@ def register_suffix(*suffixes: str) -> Callable[[SourceFactory], SourceFactory]:
     return deco
 
 
+_BY_OPTIONS: list[tuple[tuple[str, ...], SourceFactory]] = []
+
+
+def register_options(*names: str) -> Callable[[SourceFactory], SourceFactory]:
+    """Register a source chosen by settings rather than by name or suffix: when any of the
+    :class:`SourceSettings` fields ``names`` is set, it reads the source, whatever it is
+    (a CSV's text column makes a text corpus of a table)."""
+
+    def deco(factory: SourceFactory) -> SourceFactory:
+        _BY_OPTIONS.append((names, factory))
+        return factory
+
+    return deco
+
+
+Recognise = Callable[[str, SourceOptions], bool]
+_BY_LAYOUT: list[tuple[Recognise, SourceFactory]] = []
+
+
+def register_layout(recognise: Recognise) -> Callable[[SourceFactory], SourceFactory]:
+    """Register a source for paths or URLs told by their layout, not a suffix (a folder of
+    class sub-folders of images): ``recognise(path_or_url, options)`` says whether it reads
+    it, and must be cheap (a listing of a folder or two)."""
+
+    def deco(factory: SourceFactory) -> SourceFactory:
+        _BY_LAYOUT.append((recognise, factory))
+        return factory
+
+    return deco
+
+
 def builtin_names() -> list[str]:
     return sorted(_BUILTINS)
 
@@ -171,8 +247,14 @@ def get_source(source: str | os.PathLike, options: SourceOptions | None = None) 
     """
     options = options or SourceOptions()
     text = os.fspath(source)
+    for names, factory in _BY_OPTIONS:
+        if any(getattr(options, name) is not None for name in names):
+            return factory(text, options)
     if text in _BUILTINS:
         return _BUILTINS[text](text, options)
+    for recognise, factory in _BY_LAYOUT:
+        if recognise(text, options):
+            return factory(text, options)
     path = Path(text)
     if not path.exists():
         raise SourceError(
@@ -197,7 +279,8 @@ def check_numeric(name: str, dtype: np.dtype, what: str = "array") -> None:
 
 
 def stored_dtype(role: str, dtype: np.dtype) -> np.dtype:
-    """Features become float32; integer targets int64 (class labels); other targets float32."""
-    if role == "targets" and dtype.kind in "biu":
+    """Features become float32; integer targets (class labels) and integer arrays of role
+    ``other`` int64; all else float32."""
+    if role in ("targets", "other") and dtype.kind in "biu":
         return np.dtype("int64")
     return np.dtype("float32")

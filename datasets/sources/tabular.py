@@ -20,6 +20,7 @@ from dasktrain.datasets.sources.base import (
     stored_dtype,
     suffix_of,
 )
+from dasktrain.datasets.sources.named import ArrayChoice, resolve_choices
 
 __all__ = ["TabularSource"]
 
@@ -131,21 +132,11 @@ class TabularSource:
         columns = list(df.columns)
         if not columns:
             raise SourceError(f"{path} has no columns")
-        target = options.target
-        if target is not None and target not in columns:
-            raise SourceError(f"{path} has no column {target!r} (the target); columns: {columns}")
-        features = options.features or [c for c in columns if c != target]
-        unknown = [c for c in features if c not in columns]
-        if unknown:
-            raise SourceError(
-                f"{path} has no column{'s' if len(unknown) > 1 else ''} "
-                f"{', '.join(map(repr, unknown))}; columns: {columns}"
-            )
-        if target is not None and target in features:
-            raise SourceError(f"column {target!r} cannot be both a feature and the target")
-        if not features:
-            raise SourceError(f"{path}: no feature columns left besides the target {target!r}")
-        chosen = [*features, *([target] if target else [])]
+        if options.arrays is not None:
+            groups = _named_groups(path, columns, options)
+        else:
+            groups = _feature_and_target(path, columns, options)
+        chosen = [c for group in groups for c in group.sources]
         df = df[chosen]
         non_numeric = [c for c in chosen if not _is_numeric(df[c].dtype)]
         self.labels: dict[str, list[str]] = {}
@@ -157,17 +148,17 @@ class TabularSource:
                 "--features or encode them with --encode-categorical"
             )
         self._path, self._df, self._chosen, self._non_numeric = path, df, chosen, non_numeric
-        self._width, self._has_target = len(features), target is not None
+        self._groups = groups
         self.num_samples = -1  # known once to_dask() has counted the complete rows
-        self.specs = {"x": ArraySpec("features", np.dtype("float32"), (len(features),))}
-        if target:
-            # Integer columns and encoded categories are class labels; anything else a value.
-            is_label = target in non_numeric or target in integers \
-                or pd.api.types.is_integer_dtype(df[target].dtype)
-            target_dtype = np.dtype("int64") if is_label else np.dtype("float64")
-            self.specs["y"] = ArraySpec("targets", stored_dtype("targets", target_dtype), ())
-        self.provenance = {"kind": "tabular", "path": str(path.resolve()), "features": features,
-                           "target": target, "encoded": non_numeric}
+        self.specs = {g.name: _spec(g, df, non_numeric, integers) for g in groups}
+        self.provenance = {"kind": "tabular", "path": str(path.resolve()),
+                           "encoded": non_numeric,
+                           "columns": {g.name: list(g.sources) for g in groups}}
+        if options.arrays is None:
+            self.provenance.update(features=list(groups[0].sources), target=options.target)
+        else:
+            self.provenance["arrays"] = {g.name: {"from": list(g.sources), "role": g.role}
+                                         for g in groups}
 
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         """Encode categories and count complete rows (passes over the table), then chunk."""
@@ -202,9 +193,10 @@ class TabularSource:
                           for c, u in zip(self._non_numeric, uniques, strict=True)}
             meta = df._meta.astype({c: "float64" for c in self._non_numeric})
             df = df.map_partitions(_encode, categories, meta=meta)
-            target = self._chosen[-1]
-            if self._has_target and target in categories:
-                self.labels["y"] = categories[target]
+            for group in self._groups:
+                # The codes of a target (or other) column of categories mean its labels.
+                if self.specs[group.name].sample_shape == () and group.sources[0] in categories:
+                    self.labels[group.name] = categories[group.sources[0]]
         complete = df.dropna()
         # One pass counts rows read and rows kept per partition.
         read_lengths, kept_lengths = dd.compute(df.map_partitions(len),
@@ -217,13 +209,67 @@ class TabularSource:
                               f"columns {self._chosen}")
         self.provenance.update(rows_read=rows_read,
                                rows_dropped_missing=rows_read - self.num_samples)
-        out = {"x": parts[:, : self._width].rechunk({0: chunk_rows, 1: -1}).astype(np.float32)}
-        if self._has_target:
-            out["y"] = parts[:, self._width].rechunk({0: chunk_rows}).astype(self.specs["y"].dtype)
+        out, first = {}, 0
+        for group in self._groups:
+            spec, last = self.specs[group.name], first + len(group.sources)
+            if spec.sample_shape:
+                block = parts[:, first:last].rechunk({0: chunk_rows, 1: -1})
+            else:
+                block = parts[:, first].rechunk({0: chunk_rows})
+            out[group.name] = block.astype(spec.dtype)
+            first = last
         return out
 
     def block_reader(self) -> None:
         return None  # a chunk gathers rows from several partitions: read through to_dask
+
+
+def _feature_and_target(path: Path, columns: list[str], options: SourceOptions
+                        ) -> list[ArrayChoice]:
+    """``x`` of the feature columns and ``y`` of the target column, as ``features=`` and
+    ``target=`` choose them (by default every column but the target is a feature)."""
+    target = options.target
+    if target is not None and target not in columns:
+        raise SourceError(f"{path} has no column {target!r} (the target); columns: {columns}")
+    features = options.features or [c for c in columns if c != target]
+    unknown = [c for c in features if c not in columns]
+    if unknown:
+        raise SourceError(
+            f"{path} has no column{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; columns: {columns}"
+        )
+    if target is not None and target in features:
+        raise SourceError(f"column {target!r} cannot be both a feature and the target")
+    if not features:
+        raise SourceError(f"{path}: no feature columns left besides the target {target!r}")
+    groups = [ArrayChoice("x", tuple(features), "features")]
+    if target is not None:
+        groups.append(ArrayChoice("y", (target,), "targets"))
+    return groups
+
+
+def _named_groups(path: Path, columns: list[str], options: SourceOptions
+                  ) -> list[ArrayChoice]:
+    """The column groups ``arrays=`` choose (``image=a,b,c``), each an array of its own."""
+    if options.features or options.target is not None:
+        raise SourceError("give either arrays= (--array) or features=/target= "
+                          "(--features/--target), not both")
+    return resolve_choices(options.arrays or [], columns, where=str(path), what="column",
+                           one_each=False)
+
+
+def _spec(group: ArrayChoice, df: dd.DataFrame, non_numeric: list[str], integers: set[str]
+          ) -> ArraySpec:
+    """Features are a vector per sample, even of one column; a target (or other) group of
+    one column is a scalar per sample, of several a vector. Integer columns and encoded
+    categories are labels (int64) where the role keeps integers; anything else float32."""
+    if group.role == "features":
+        return ArraySpec("features", np.dtype("float32"), (len(group.sources),))
+    is_label = all(c in non_numeric or c in integers
+                   or pd.api.types.is_integer_dtype(df[c].dtype) for c in group.sources)
+    dtype = stored_dtype(group.role, np.dtype("int64") if is_label else np.dtype("float64"))
+    return ArraySpec(group.role, dtype,
+                     () if len(group.sources) == 1 else (len(group.sources),))
 
 
 @register_suffix(".csv", ".parquet", ".pq")

@@ -21,6 +21,7 @@ from dasktrain._cluster import cluster_client
 from dasktrain._durable import StorageOptions, check_storage_options
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline import EpochPlan, Pipeline
+from dasktrain.pipeline.named import check_pair_batches
 from dasktrain.trainer.driver.checkpoint import load_checkpoint
 from dasktrain.trainer.driver.epoch_records import epoch_record
 from dasktrain.trainer.driver.resume import (
@@ -108,6 +109,8 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
         raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
     check_loss_given(trainer.compute)
     dataset, options = _resolve(trainer, data)
+    if not options["as_dict"]:
+        check_pair_batches(dataset)  # here, not in each worker's pipeline: before any task
     callbacks = as_callbacks(callbacks)
     storage_options = check_storage_options(storage_options)
     trainer.stop_training = False

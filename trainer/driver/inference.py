@@ -19,6 +19,7 @@ from distributed import Client
 
 from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
+from dasktrain.pipeline.named import NamedBatch, check_pair_batches
 from dasktrain.trainer.worker.compute import BatchCompute, MetricTotals, batch_size_of
 
 __all__ = ["ForwardFunction", "evaluate_on_cluster", "predict_on_cluster"]
@@ -42,11 +43,22 @@ def _batches(dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: 
         tensors = {n: torch.from_numpy(np.ascontiguousarray(v[a:a + batch_size]))
                    for n, v in arrays.items()}
         if as_dict:
-            yield tensors
+            yield NamedBatch(tensors, dataset.roles)
         elif targets is None:
             yield tensors[features]
         else:
             yield tensors[features], tensors[targets]
+
+
+def _forward(model: torch.nn.Module, forward: ForwardFunction | None, batch: Any
+             ) -> torch.Tensor:
+    """``forward(model, batch)``, else the model on the batch's inputs: ``x`` of a pair,
+    the features arrays of a dict batch as keyword arguments."""
+    if forward is not None:
+        return forward(model, batch)
+    if isinstance(batch, NamedBatch):
+        return model(**batch.inputs)
+    return model(batch[0] if isinstance(batch, tuple) else batch)
 
 
 def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
@@ -59,10 +71,7 @@ def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
     outputs = []
     with torch.no_grad():
         for batch in _batches(dataset, start, stop, batch_size, as_dict):
-            if forward is not None:
-                output = forward(model, batch)
-            else:
-                output = model(batch[0] if isinstance(batch, tuple) else batch)
+            output = _forward(model, forward, batch)
             outputs.append(output.detach().cpu().numpy())
     return np.concatenate(outputs)
 
@@ -94,11 +103,12 @@ def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client,
                        threads: int) -> da.Array:
     """A lazy dask array of the model's outputs, one block per chunk of ``dataset``, whose
     tasks run on ``client``'s cluster."""
+    if not as_dict:
+        check_pair_batches(dataset)
     first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
     model.eval()
     with torch.no_grad():
-        sample = (forward(model, first) if forward is not None else
-                  model(first[0] if isinstance(first, tuple) else first))
+        sample = _forward(model, forward, first)
     shape, dtype = tuple(sample.shape[1:]), sample.detach().cpu().numpy().dtype
     # On the cluster now, as one key every task reads: the model travels there once, not
     # with the graph at every compute; the array holds the future, which keeps it there.
@@ -115,6 +125,8 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
                         ) -> dict[str, float]:
     """Mean loss and metrics of ``model`` over ``dataset`` (and accuracy where the targets
     are class labels), computed by tasks on the cluster's workers."""
+    if not as_dict:
+        check_pair_batches(dataset)
     shared = dask.delayed(model, pure=False)
     task = dask.delayed(_evaluate_block, pure=True)
     parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads)

@@ -154,7 +154,9 @@ class Trainer:
         (autocast to float16 with dynamic loss scaling; for GPUs). The holder keeps
         float32 master parameters and receives float32 gradients.
     as_dict
-        Batches are dicts of tensors keyed by array name (for a custom ``step``).
+        Batches are dicts of tensors keyed by array name (:class:`~dasktrain.NamedBatch`):
+        without a ``step`` the loss is ``loss(model(**batch.inputs), batch.target)`` (the
+        features arrays by name), with metrics and accuracy as for ``(x, y)``.
     clip_grad_norm, clip_grad_value
         Clip the gradient the holder applies to this global norm, or each value to
         ``[-v, v]``: in ``sync`` the averaged gradient, exactly as
@@ -349,10 +351,11 @@ class Trainer:
         """The outputs of :attr:`model` on every row of ``data``, as a lazy dask array (one
         task per chunk of rows, run on the cluster when computed).
 
-        ``forward(model, batch) -> output`` replaces ``model(x)`` for models of several
-        inputs (batches are dicts with ``as_dict=True``). ``client`` (default: as for
-        :meth:`fit`) is the cluster the model is sent to now, once, and the tasks run on:
-        compute the array with that client (``.compute()`` does, when it is the default).
+        ``forward(model, batch) -> output`` replaces ``model(x)`` (with ``as_dict=True``,
+        ``model(**batch.inputs)``: the features arrays by name) where a model needs more.
+        ``client`` (default: as for :meth:`fit`) is the cluster the model is sent to now,
+        once, and the tasks run on: compute the array with that client (``.compute()``
+        does, when it is the default).
         """
         dataset = data if isinstance(data, Dataset) else open_dataset(data)
         with cluster_client(client) as c:

@@ -2,9 +2,12 @@
 precision it runs in.
 
 By default a batch is ``(x, y)`` and the loss is ``loss(model(x), y)``, as in Keras'
-``compile(loss=...)``. A custom ``step(model, batch)`` takes over for anything else (models
-of several inputs, dict batches from ``as_dict=True``, auxiliary losses), as Lightning's
-``training_step`` does: it returns the loss, or a dict with ``"loss"`` and further metrics.
+``compile(loss=...)``; a dict batch of a dataset of named arrays (:class:`NamedBatch`,
+``as_dict=True``) gives ``loss(model(**batch.inputs), batch.target)``: the model takes its
+features arrays as keyword arguments, by name. A custom ``step(model, batch)`` takes over
+for anything else (models of several inputs, dict batches from ``as_dict=True``, auxiliary
+losses), as Lightning's ``training_step`` does: it returns the loss, or a dict with
+``"loss"`` and further metrics.
 
 ``metrics`` are named ``fn(output, target)`` computed on each training batch (with the
 default step) and on validation; their batch-size weighted means per epoch go in the
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dasktrain.pipeline.named import NamedBatch
 from dasktrain.trainer.errors import InvalidLoss
 
 __all__ = ["PRECISIONS", "BatchCompute", "LossScale", "MetricFunction", "StepFunction",
@@ -82,8 +86,11 @@ class BatchCompute:
             if self.step is not None:
                 loss, values = _loss_and_metrics(self.step(model, batch))
                 return check_scalar_loss(loss), values, None
-            x, y = batch if isinstance(batch, tuple) else (batch, None)
-            output = model(x)
+            if isinstance(batch, NamedBatch):
+                output, y = model(**batch.inputs), batch.target
+            else:
+                x, y = batch if isinstance(batch, tuple) else (batch, None)
+                output = model(x)
             loss = self.loss(output, y) if y is not None else self.loss(output)
         check_scalar_loss(loss)
         values = {}

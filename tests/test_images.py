@@ -1,0 +1,301 @@
+"""Image folders end to end: a folder of class sub-folders (and a manifest) prepared both
+ways on the session's real cluster, served by the pipeline with augmentation on the
+workers, and every batch held to a direct Pillow decode of the same files with the same
+crop parameters. Bad files are refused by name or skipped with a count."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from PIL import Image
+
+import dasktrain as dt
+from dasktrain.datasets.cleaning import CleaningWarning
+from dasktrain.pipeline.images import (
+    ImageTransform,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+)
+from tests.common.builders import REPO, assert_user_error, run_cli
+from tests.common.images import CLASSES, pillow_crop, pillow_decode, write_image_folder
+
+SIZE = (32, 32)  # stored size of the decoded dataset (the files are 40 x 48)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> tuple[Path, list[Path]]:
+    root = tmp_path_factory.mktemp("images") / "folder"
+    return root, write_image_folder(root)
+
+
+@pytest.fixture(scope="module")
+def prepared(client, folder, tmp_path_factory) -> dict[str, dt.Dataset]:
+    """The folder both ways, in chunks of 5 rows (several blocks for the pipeline)."""
+    root, _ = folder
+    out = tmp_path_factory.mktemp("prepared")
+    return {
+        "decoded": dt.prepare(root, out / "decoded.zarr", client=client, progress=False,
+                              image_size=32, chunk_rows=5),
+        "encoded": dt.prepare(root, out / "encoded.zarr", client=client, progress=False,
+                              image_storage="encoded", chunk_rows=5),
+    }
+
+
+def _files_of(encoded: dt.Dataset, files: list[Path]) -> list[Path]:
+    """The file each row of an encoded dataset holds: its bytes are the file's."""
+    by_bytes = {f.read_bytes(): f for f in files}
+    return [by_bytes[bytes(b)] for b in encoded.zarr_array("image")[:]]
+
+
+def test_a_class_folder_is_prepared_both_ways_with_its_class_names(client, folder, prepared):
+    _, files = folder
+    decoded, encoded = prepared["decoded"], prepared["encoded"]
+    for ds in (decoded, encoded):
+        assert ds.attrs["labels"] == {"label": list(CLASSES)}
+        assert len(ds) == len(files) and ds.features_name == "image"
+        assert dt.verify(ds, client=client, progress=False).ok
+    assert decoded.attrs["arrays"]["image"] == {"role": "features", "dtype": "uint8",
+                                                "shape": [len(files), 3, *SIZE]}
+    assert encoded.attrs["arrays"]["image"]["dtype"] == "object"
+    assert decoded.attrs["images"]["storage"] == "decoded"
+    assert encoded.attrs["images"]["storage"] == "encoded"
+    # Stored in a random order (a folder lists one class after the other).
+    rows = _files_of(encoded, files)
+    assert sorted(rows) == files and rows != files
+    labels = encoded.zarr_array("label")[:]
+    assert [CLASSES[k] for k in labels] == [f.parent.name for f in rows]
+    np.testing.assert_array_equal(decoded.zarr_array("label")[:], labels)
+    # Per-channel statistics of the pixels, exact.
+    pixels = decoded.zarr_array("image")[:].astype(np.float64)
+    np.testing.assert_allclose(decoded.attrs["stats"]["image"]["mean"],
+                               pixels.mean(axis=(0, 2, 3)))
+    assert "3 classes: cat, dog, eel" in dt.describe(decoded)
+
+
+def test_decoded_rows_are_the_files_decoded_by_pillow(folder, prepared):
+    _, files = folder
+    rows = _files_of(prepared["encoded"], files)
+    stored = prepared["decoded"].zarr_array("image")[:]
+    for row, file in zip(stored, rows, strict=True):
+        np.testing.assert_array_equal(row.transpose(1, 2, 0), pillow_decode(file, SIZE))
+
+
+def _expected(pipe: dt.Pipeline, crop: RandomResizedCrop, flip: RandomHorizontalFlip,
+              sources: list[np.ndarray]) -> list[np.ndarray]:
+    """Epoch 0 of ``pipe`` computed with Pillow: the plan's order, and per piece the crops
+    and flips drawn from the generator the pipeline seeds for it."""
+    plan = pipe.plan(0)
+    out = []
+    for group, blocks in enumerate(plan.groups):
+        rows = np.concatenate([np.arange(*plan.block_range(b)) for b in blocks])
+        order = plan.group_permutation(group)
+        rows = rows if order is None else rows[order]
+        for piece, a in enumerate(range(0, len(rows), plan.piece_rows)):
+            chunk = rows[a:a + plan.piece_rows]
+            rng = np.random.default_rng(plan.piece_seed(group, piece))
+            boxes, flips = crop.draw(rng, len(chunk)), flip.draw(rng, len(chunk))
+            for k, row in enumerate(chunk):
+                image = sources[row]
+                box = crop.box(boxes, k, *image.shape[:2])
+                out.append(pillow_crop(image, box, (crop.size, crop.size), bool(flips[k])))
+    return out
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["crop-only", "crop-and-resize"])
+def test_pipeline_batches_equal_pillow_with_the_same_crops_from_both_storages(
+        client, folder, prepared, exact):
+    _, files = folder
+    sources = [pillow_decode(f, SIZE) for f in _files_of(prepared["encoded"], files)]
+    # crop-only: every region is 24 x 24, taken as it is (no resampling: equal to the
+    # last bit); crop-and-resize: regions of many sizes resized to 24 x 24.
+    crop = (RandomResizedCrop(24, scale=(24 * 24 / 1024,) * 2, ratio=(1.0, 1.0)) if exact
+            else RandomResizedCrop(24, scale=(0.2, 1.0)))
+    flip = RandomHorizontalFlip()
+    batches = {}
+    for kind, steps in (("decoded", (crop, flip)), ("encoded", (Resize(32), crop, flip))):
+        with dt.Pipeline(prepared[kind], 4, seed=3, shuffle_blocks=2, client=client,
+                         transform=ImageTransform(*steps)) as pipe:
+            batches[kind] = [x for x, _ in pipe]
+            expected = _expected(pipe, crop, flip, sources)
+    got = torch.cat(batches["decoded"]).permute(0, 2, 3, 1).numpy()
+    assert got.shape == (len(files), 24, 24, 3) and got.dtype == np.uint8
+    want = np.stack(expected)
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:
+        # torch's antialiased bilinear is Pillow's filter; integer rounding differs a little
+        # (here 0.12 levels on average, 9 at most; a wrong crop or flip differs by tens)
+        difference = np.abs(got.astype(int) - want)
+        assert difference.mean() < 0.3 and difference.max() <= 16, (difference.mean(),
+                                                                    difference.max())
+    # Decoded on the workers, the encoded dataset gives the very same batches.
+    for a, b in zip(batches["decoded"], batches["encoded"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_encoded_epochs_resume_exactly_and_see_every_image_once(client, prepared):
+    transform = ImageTransform(RandomResizedCrop(16, scale=(0.3, 1)), RandomHorizontalFlip(),
+                               Normalize())
+    ds = prepared["encoded"]
+
+    def pipeline() -> dt.Pipeline:
+        return dt.Pipeline(ds, 4, seed=9, transform=transform, client=client)
+
+    with pipeline() as whole:
+        full = list(whole)
+    assert sorted(torch.cat([y for _, y in full]).tolist()) == sorted(
+        ds.zarr_array("label")[:].tolist())
+    x = full[0][0]
+    assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32
+    with pipeline() as first:
+        it = iter(first)
+        for _ in range(2):
+            next(it)
+        state = first.state_dict()
+    with pipeline() as resumed:
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+    assert len(rest) == len(full) - 2
+    for (a, ya), (b, yb) in zip(full[2:], rest, strict=True):
+        assert torch.equal(a, b) and torch.equal(ya, yb)
+
+
+def _bad_folder(root: Path) -> list[Path]:
+    files = write_image_folder(root, per_class=3)
+    truncated = root / "dog" / "truncated.jpg"
+    truncated.write_bytes(files[4].read_bytes()[:300])
+    fake = root / "eel" / "fake.png"
+    fake.write_text("not an image at all")
+    return [truncated, fake]
+
+
+@pytest.mark.parametrize("storage", ["decoded", "encoded"])
+def test_a_file_that_is_not_an_image_is_named_and_nothing_is_written(client, tmp_path,
+                                                                      storage):
+    _bad_folder(tmp_path / "folder")
+    out = tmp_path / "out.zarr"
+    with pytest.raises(dt.SourceError, match=r"(truncated\.jpg|fake\.png) is not a readable "
+                                             r"image.*--skip-bad"):
+        dt.prepare(tmp_path / "folder", out, client=client, progress=False,
+                   image_storage=storage, image_size=32 if storage == "decoded" else None,
+                   chunk_rows=4)
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    # A file of another kind in a class folder is refused before any work, by name.
+    (tmp_path / "folder" / "cat" / "notes.txt").write_text("hello")
+    with pytest.raises(dt.SourceError, match=r"notes\.txt: not an image file"):
+        dt.prepare(tmp_path / "folder", out, client=client, progress=False)
+
+
+def test_skip_bad_leaves_them_out_counted_and_named(client, tmp_path):
+    bad = _bad_folder(tmp_path / "folder")
+    (tmp_path / "folder" / "cat" / "notes.txt").write_text("hello")
+    with pytest.warns(CleaningWarning, match=r"skipped 3 of 12 files"):
+        ds = dt.prepare(tmp_path / "folder", tmp_path / "out.zarr", client=client,
+                        progress=False, skip_bad=True, image_size=32)
+    assert len(ds) == 9 and ds.attrs["images"]["skipped"] == 3
+    named = {Path(f).name for f, _ in ds.attrs["images"]["skipped_files"]}
+    assert named == {p.name for p in bad} | {"notes.txt"}
+    assert sorted(ds.attrs["stats"]["label"]["class_counts"]) == [3, 3, 3]
+    assert "3 unreadable files skipped" in dt.describe(ds)
+
+
+def test_a_manifest_and_folder_urls_give_the_same_images(client, folder, prepared, tmp_path):
+    root, files = folder
+    # Relative paths from the manifest's folder, text labels (their own class names).
+    manifest = root.parent / "manifest.csv"
+    pd.DataFrame({"file": [str(f.relative_to(root.parent)) for f in files],
+                  "kind": [f"k-{f.parent.name}" for f in files]}).to_csv(manifest, index=False)
+    ds = dt.prepare(manifest, tmp_path / "m.zarr", client=client, progress=False,
+                    image_storage="encoded", target="kind", chunk_rows=5)
+    assert ds.attrs["labels"] == {"label": [f"k-{c}" for c in CLASSES]}
+    assert ds.attrs["provenance"]["source_details"]["layout"] == "manifest"
+    rows = _files_of(ds, files)
+    assert [f"k-{f.parent.name}" for f in rows] == [
+        ds.attrs["labels"]["label"][k] for k in ds.zarr_array("label")[:]]
+    # The same folder at URLs: file:// (read as a path) and local:// (fsspec's own
+    # listing and reads, as for s3:// or gs://): the same images in the same order.
+    for scheme in ("file", "local"):
+        url = dt.prepare(f"{scheme}://{root}", tmp_path / f"{scheme}.zarr", client=client,
+                         progress=False, image_size=32, chunk_rows=5)
+        np.testing.assert_array_equal(url.zarr_array("image")[:],
+                                      prepared["decoded"].zarr_array("image")[:])
+
+
+def test_pipeline_and_transform_refuse_what_cannot_work(client, prepared):
+    with pytest.raises(ValueError, match=r"\['image'\].*encoded images.*ImageTransform"):
+        dt.Pipeline(prepared["encoded"], 4, client=client)
+    with pytest.raises(ValueError, match=r"Normalize makes floats.*last"):
+        ImageTransform(Normalize(), RandomHorizontalFlip())
+    normalize = Normalize.of(prepared["decoded"])
+    assert len(normalize.mean) == 3 and all(0 < m < 1 for m in normalize.mean)
+    with pytest.raises(ValueError, match="kept for decoded images"):
+        Normalize.of(prepared["encoded"])
+    # Encoded images of different sizes cannot make a batch without a step that sizes them.
+    images = np.empty(2, dtype=object)
+    for i, shape in enumerate([(8, 8, 3), (9, 8, 3)]):
+        out = io.BytesIO()
+        Image.fromarray(np.zeros(shape, np.uint8)).save(out, format="PNG")
+        images[i] = out.getvalue()
+    with pytest.raises(ValueError, match=r"different sizes.*RandomResizedCrop or Resize"):
+        ImageTransform()({"image": images}, np.random.default_rng(0))
+
+
+def test_crop_regions_follow_scale_and_ratio():
+    crop = RandomResizedCrop(8, scale=(0.25, 0.5), ratio=(0.5, 2.0))
+    drawn = crop.draw(np.random.default_rng(0), 500)
+    for i in range(500):
+        top, left, h, w = crop.box(drawn, i, 60, 80)
+        assert top >= 0 and top + h <= 60 and left >= 0 and left + w <= 80
+        assert 0.2 <= h * w / 4800 <= 0.55 and 0.4 <= w / h <= 2.5
+    # The fallback: no region of ratio >= 10 fits a square: the largest centred one.
+    wide = RandomResizedCrop(8, scale=(0.9, 1.0), ratio=(10.0, 12.0))
+    assert wide.box(wide.draw(np.random.default_rng(1), 1), 0, 20, 20) == (9, 0, 2, 20)
+
+
+def test_cli_errors_are_one_line_with_exit_2(client, tmp_path):
+    _bad_folder(tmp_path / "folder")
+    result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "out.zarr"),
+                     "--image-size", "32", "--no-progress",
+                     "--scheduler", client.scheduler.address)
+    assert_user_error(result, "is not a readable image", "--skip-bad")
+    assert ("truncated.jpg" in result.stderr) or ("fake.png" in result.stderr)
+    assert not (tmp_path / "out.zarr").exists()
+    for args, fragment in [(["--image-size", "big"], "image_size must be N or HxW"),
+                           (["--image-storage", "encoded", "--image-size", "32"],
+                            "image_size applies to decoded storage")]:
+        result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "out.zarr"),
+                         *args)
+        assert_user_error(result, fragment)
+    result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "ok.zarr"),
+                     "--image-size", "32", "--skip-bad", "--no-progress",
+                     "--scheduler", client.scheduler.address)
+    assert result.returncode == 0, result.stderr
+    assert "warning: skipped 2 of 11 files" in result.stderr
+    assert "images    decoded NCHW 3x32x32" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_quick_and_writes_its_rows(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "images.py"), "--quick", "--ratios-json",
+         str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=170,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| torch DataLoader, num_workers=2 |" in result.stdout
+    assert "command: .venv/bin/python benchmarks/images.py --quick" in result.stdout
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["goal"] for r in rows] == ["≥ 2x DataLoader", "≤ 2 % stall", "≥ 1.0x DataLoader",
+                                         "—"]
+    assert all(r["ratio"] is None or r["ratio"] > 0 for r in rows)
