@@ -40,7 +40,9 @@ For every mode (defaults first, then the options of :mod:`dasktrain.trainer.mode
 staleness-scaled learning rate, delay compensation DC-ASGD with constant and adaptive λ;
 then ``async`` without its momentum compensation, and "as before": without it and at W
 times the rate, one full step per gradient, which is what ``async`` did before the rate
-became per global batch), without and with the straggler, one configuration after the
+became per global batch; last ``average`` with each rank's own stride and rounds in
+lock-step, ``assignment="static"``, as it ran before it claimed work), without and with the
+straggler, one configuration after the
 other (so both see the same load on the machine): wall time from the call to ``fit`` and
 updates (and samples) until the smoothed training loss (sample-weighted mean of the update
 losses over the last ``--window`` samples, so that 1-gradient and N-gradient updates are
@@ -92,6 +94,7 @@ TASKS = ("teacher", "wave")
 LR = {("teacher", "sgd"): 0.2, ("teacher", "adam"): 0.02,
       ("wave", "sgd"): 0.2, ("wave", "adam"): 0.02}
 LR_FACTOR = "lr_factor"  # a key of a configuration's options: run at lr x this
+ASSIGNMENT = "assignment"  # a key of a configuration's options: the Trainer's assignment
 _RANK = re.compile(r"dasktrain-trainer-(\d+)-epoch-")
 
 # (label, mode, options): every mode at its default settings, then the stale-gradient
@@ -112,6 +115,7 @@ CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
                                   "dc_adaptive": True}),
     ("async, no compensation", "async", {"momentum_compensation": False}),
     ("async, as before", "async", {"momentum_compensation": False, LR_FACTOR: WORKERS}),
+    ("average K=4, static", "average", {"average_every": 4, ASSIGNMENT: "static"}),
 ]
 # More, run only when named in --only (to keep the default run short).
 EXTRA: list[tuple[str, str, dict[str, Any]]] = [
@@ -227,10 +231,11 @@ def fit(client: Client, data: dt.Dataset, mode: str, options: dict[str, Any], lr
     """One fit; returns its History, its start (wall clock) and the final model's loss."""
     options = dict(options)
     lr *= options.pop(LR_FACTOR, 1)
+    assignment = options.pop(ASSIGNMENT, "auto")
     trainer = dt.Trainer(functools.partial(student, loss.task, model), loss,
                          optimizer_config(optimizer, lr), mode=mode, workers=WORKERS,
                          batch_size=BATCH, progress=False, torch_threads=1,
-                         mode_options=options)
+                         assignment=assignment, mode_options=options)
     started = time.time()
     try:
         history = trainer.fit(data, epochs=epochs, client=client)

@@ -3,7 +3,9 @@ whatever the workers' speeds, whoever dies, and across a resume with another wor
 
 The ledger and the pipeline's claiming are checked on their own first; then real fits on a
 cluster of three worker processes train :class:`~tests.common.counting.Tally`, whose
-parameters count how often each row's gradient was applied.
+parameters count how often each row's gradient was applied. In ``average`` a row's count
+reaches the parameters divided by the round's average, so there the samples of the applied
+pushes are counted instead: a run lost or applied twice changes their sum.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.common.data import indexed_dataset
 from tests.common.training import zeros
 
 ASYNC_MODES = ["async", "ssp", "soft"]
+DYNAMIC_MODES = [*ASYNC_MODES, "average"]
 
 
 # -- the ledger -------------------------------------------------------------------------
@@ -78,6 +81,26 @@ def test_a_checkpoint_keeps_only_what_is_done():
         rest.extend(r)
     assert sorted(rest) == [b for b in range(20) if b not in run]
     assert resumed.shares() == {0: len(run)}
+
+
+def test_a_run_pushed_whole_is_admitted_taken_and_given_back_as_one():
+    ledger = WorkLedger(whole_runs=True)
+    ledger.begin(0, 12, [0])
+    a = ledger.claim(0, live=2, size=4)
+    b = ledger.claim(1, live=2, size=1)  # the mode's size, not the guided one
+    assert (a, b) == (range(0, 4), range(4, 5))
+    assert ledger.arrive(0, 1) == "batch 1 ends no run that worker 0 claimed"
+    assert ledger.arrive(0, 3) is None  # the run 0-3, named by its last batch
+    assert ledger.release(0) == 0  # all of it arriving: nothing goes back
+    ledger.taken(0, 3)
+    assert ledger.shares() == {0: 4}
+    assert ledger.release(1) == 1
+    c = ledger.claim(0, live=1, size=3)
+    assert c == range(4, 7)  # the given-back batch first
+    assert ledger.arrive(1, 4) == "batch 4 ends no run that worker 1 claimed"
+    assert ledger.arrive(0, 6) is None
+    ledger.taken(0, 6)
+    assert ledger.shares() == {0: 7} and ledger.remaining() == 5
 
 
 # -- the pipeline's side ------------------------------------------------------------------
@@ -133,15 +156,18 @@ def _counts(trainer: dt.Trainer) -> np.ndarray:
 
 def _assert_each_row_once_per_epoch(trainer: dt.Trainer, history: dt.History,
                                     epochs: int) -> None:
-    counts = _counts(trainer)
-    applied = np.flatnonzero(counts == epochs)
-    assert len(applied) == ROWS, (np.unique(counts, return_counts=True), history.events)
+    if trainer.mode == "average":
+        assert sum(history.samples) == epochs * ROWS, history.events
+    else:
+        counts = _counts(trainer)
+        applied = np.flatnonzero(counts == epochs)
+        assert len(applied) == ROWS, (np.unique(counts, return_counts=True), history.events)
     batches = -(-ROWS // trainer.batch_size)
     for record in history.epochs:
         assert sum(record["batches_per_worker"]) == batches
 
 
-@pytest.mark.parametrize("mode", ASYNC_MODES)
+@pytest.mark.parametrize("mode", DYNAMIC_MODES)
 def test_fast_workers_take_more_and_every_row_is_applied_once(three, rows, mode):
     # Long enough an epoch (180 batches of 20 ms or 60 ms) that workers starting a little
     # apart all take part.
@@ -162,7 +188,7 @@ def test_fast_workers_take_more_and_every_row_is_applied_once(three, rows, mode)
     assert {c[2] for c in history.claims} == {0, 1, 2}
 
 
-@pytest.mark.parametrize("mode", ASYNC_MODES)
+@pytest.mark.parametrize("mode", DYNAMIC_MODES)
 def test_a_worker_killed_mid_epoch_loses_nothing(three, rows, mode, tmp_path):
     dying = functools.partial(spread, slow_rank=2, delay=0.01, kill_rank=1, kill_after=12,
                               marker=str(tmp_path / "killed"))
@@ -173,30 +199,36 @@ def test_a_worker_killed_mid_epoch_loses_nothing(three, rows, mode, tmp_path):
     assert any("went back to the pool" in e for e in history.events), history.events
 
 
-@pytest.mark.parametrize("mode", ASYNC_MODES)
+@pytest.mark.parametrize("mode", DYNAMIC_MODES)
 def test_resume_mid_epoch_with_fewer_workers_finishes_the_epoch_once(three, rows, mode,
                                                                       tmp_path):
     # Epochs of about 1.5 s, failing about 1 s into the second, after a mid-epoch checkpoint
     # (the driver looks for one every half second).
     failing = functools.partial(spread, pace=0.05, marker=str(tmp_path / "failed"),
                                 fail_after=20, fail_epoch=1)
-    first = _trainer(mode, failing, checkpoint_every=5)
+    # In ``average`` an update is a round: short ones, for checkpoints within the epoch.
+    rounds = {"mode_options": {"average_every": 2}} if mode == "average" else {}
+    first = _trainer(mode, failing, checkpoint_every=5, **rounds)
     with pytest.raises(dt.TrainerError, match="fails once, on purpose"):
         first.fit(rows, epochs=2, client=three, checkpoint=tmp_path / "run")
     state = load_checkpoint(first.last_checkpoint)
     work = state["holder"]["work"]
     assert state["complete_epochs"] == 1 and work["epoch"] == 1
     assert 0 < sum(work["taken"].values()) < 90  # mid-epoch: some done, some not
-    second = _trainer(mode, spread, workers=2)
+    second = _trainer(mode, spread, workers=2, **rounds)
     history = second.fit(rows, epochs=2, client=three, resume=first.last_checkpoint)
-    counts = _counts(second)
-    assert np.all(counts == 2), np.unique(counts, return_counts=True)
+    if mode == "average":  # the History goes on from the checkpoint's
+        assert sum(history.samples) == 2 * ROWS, history.events
+    else:
+        counts = _counts(second)
+        assert np.all(counts == 2), np.unique(counts, return_counts=True)
     assert sum(history.epochs[-1]["batches_per_worker"]) == -(-ROWS // 10)
 
 
 def test_dynamic_does_not_apply_to_lock_step_modes():
     with pytest.raises(ValueError, match="lock-step"):
         dt.Trainer(tally, spread, register_tally(), mode="sync", assignment="dynamic")
+    assert dt.Trainer(tally, spread, register_tally(), mode="average").assignment == "auto"
     with pytest.raises(ValueError, match="assignment must be one of"):
         dt.Trainer(tally, spread, register_tally(), mode="async", assignment="greedy")
     assert dt.Trainer(tally, spread, register_tally(), mode="async").assignment == "auto"
@@ -204,15 +236,20 @@ def test_dynamic_does_not_apply_to_lock_step_modes():
 
 
 # -- the holder's side ------------------------------------------------------------------
+def _claiming_holder() -> ParameterHolder:
+    """An ``async`` holder of a 3-value model for two workers that claim their work."""
+    return ParameterHolder(HolderConfig(
+        model=functools.partial(zeros, 3), optimizer=dt.optim.sgd(1.0), workers=2,
+        mode="async", assignment="dynamic", batch_size=1))
+
+
 def test_a_second_gradient_of_a_batch_is_refused_and_counts_once():
     """Worker 0 claims batches, is given up (its claims go back), worker 1 claims one of
     them, and both push it: the first is applied, the second refused, with an event and no
     gradient record, and the parameters moved once."""
 
     async def scenario():
-        config = HolderConfig(model=functools.partial(zeros, 3), optimizer=dt.optim.sgd(1.0),
-                              workers=2, mode="async", assignment="dynamic", batch_size=1)
-        holder = ParameterHolder(config)
+        holder = _claiming_holder()
         try:
             await holder.begin_epoch(0, True, (4, [0]), 2)
             for w in range(2):
@@ -233,3 +270,25 @@ def test_a_second_gradient_of_a_batch_is_refused_and_counts_once():
     assert progress["records"]["dropped"] == [False]  # one gradient, applied
     assert any("refused: batch 0 was already applied" in e for e in progress["events"])
     np.testing.assert_allclose(params, np.full(3, -0.5, dtype=np.float32))  # lr/W x 1
+
+
+def test_a_task_of_an_earlier_epoch_steps_aside():
+    """The driver cancels a task that had not joined when its epoch ended, but a running
+    task cannot be stopped from outside: when it joins later, in the next epoch, it must
+    not take its rank's place beside that epoch's task (nor hand back that task's work)."""
+
+    async def scenario():
+        holder = _claiming_holder()
+        try:
+            await holder.begin_epoch(1, True, (4, [0]), 2)
+            current = await holder.join(1, None, holder.layout, epoch=1)
+            run = await holder.claim(1, 1)
+            stale = await holder.join(1, None, holder.layout, epoch=0)
+            return current, run, stale, await holder.progress()
+        finally:
+            await holder.close()
+
+    current, run, stale, progress = asyncio.run(scenario())
+    assert "params" in current and run
+    assert stale == {"surplus": True}
+    assert not any("rejoined" in e or "went back" in e for e in progress["events"])

@@ -25,8 +25,9 @@ from tests.common.training import mlp
 
 class ScaleUpThenRetire(dt.Callback):
     """Scale the cluster to three workers as the fit starts (the new process is up a few
-    seconds later, in the first epoch); ``retire_after`` updates into the second epoch
-    (three trainer workers at work), retire the added Dask worker."""
+    seconds later, in the first epoch); ``retire_after`` updates into the second epoch or
+    later, once the added worker's trainer (rank 2) has pushed, retire the added Dask
+    worker."""
 
     def __init__(self, cluster: LocalCluster, client: Client, retire_after: int = 20) -> None:
         self.cluster, self.client = cluster, client
@@ -34,6 +35,7 @@ class ScaleUpThenRetire(dt.Callback):
         self.first = set(worker_info(client))
         self.epochs_done = 0
         self.in_epoch = 0
+        self.third_pushed = False
         self.threads: list[threading.Thread] = []
         self.added: list[str] = []
         self.retired: list[str] = []
@@ -52,8 +54,9 @@ class ScaleUpThenRetire(dt.Callback):
 
     def on_update(self, trainer, records) -> None:
         self.in_epoch += len(records["loss"])
-        if self.epochs_done == 1 and self.in_epoch >= self.retire_after \
-                and len(self.threads) == 1 and self.added:
+        self.third_pushed = self.third_pushed or 2 in records.get("staleness_worker", ())
+        if self.epochs_done >= 1 and self.in_epoch >= self.retire_after \
+                and self.third_pushed and len(self.threads) == 1 and self.added:
             self.retired = self.added
             self._in_thread(lambda: self.client.retire_workers(self.retired))
 
@@ -69,7 +72,7 @@ class ScaleUpThenRetire(dt.Callback):
 
 
 def _elastic_fit(model, loss, optimizer, data_of, epochs: int, mode: str = "async",
-                 fixed: bool = False):
+                 fixed: bool = False, **options):
     """An elastic fit on a cluster of its own; with ``fixed``, then the same fit on two
     workers on the same cluster (back to two processes), for comparison."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
@@ -78,7 +81,7 @@ def _elastic_fit(model, loss, optimizer, data_of, epochs: int, mode: str = "asyn
         holder = sorted(worker_info(client))[0]
         scaling = ScaleUpThenRetire(cluster, client)
         trainer = dt.Trainer(model, loss, optimizer, mode=mode, workers=(2, 3),
-                             batch_size=10, holder_worker=holder, progress=False)
+                             batch_size=10, holder_worker=holder, progress=False, **options)
         history = trainer.fit(data, epochs=epochs, client=client, callbacks=[scaling])
         scaling.join()
         if not fixed:
@@ -99,10 +102,15 @@ def test_a_run_grows_and_shrinks_with_the_cluster_and_applies_each_row_once(tmp_
         lambda c: indexed_dataset(c, tmp_path, rows=ROWS, chunk_rows=150), epochs=3)
     counts = trainer.model.w.detach().numpy()
     assert np.all(counts == 3), (np.unique(counts, return_counts=True), history.events)
+    _assert_grew_and_shrank(history, scaling)
+    assert history.epochs[-1]["workers_finished"] == 2  # the retired one is gone
+
+
+def _assert_grew_and_shrank(history, scaling) -> None:
+    """A trainer worker took work on the added Dask worker (joining mid-epoch when its
+    process is up in time, else at the next epoch's start), and left when it was retired,
+    handing back what it had claimed; nobody restarted."""
     events = "\n".join(history.events)
-    # A trainer worker took work on the added Dask worker (joining mid-epoch when its
-    # process is up in time, else at the next epoch's start), and left when it was retired,
-    # handing back what it had claimed.
     assert scaling.retired and "left: its Dask worker is retiring" in events, events
     # No restart: workers 0 and 1 never rejoined, never came back, never were dropped.
     assert not any(w in e for e in history.events for w in ("rejoined", "came back",
@@ -110,7 +118,6 @@ def test_a_run_grows_and_shrinks_with_the_cluster_and_applies_each_row_once(tmp_
     shares = [record["batches_per_worker"] for record in history.epochs]
     assert all(sum(s) == ROWS // 10 for s in shares)
     assert any(len(s) > 2 and s[2] > 0 for s in shares), shares
-    assert history.epochs[-1]["workers_finished"] == 2  # the retired one is gone
 
 
 def test_an_elastic_run_ends_near_a_fixed_size_one(tmp_path):
@@ -122,3 +129,17 @@ def test_an_elastic_run_ends_near_a_fixed_size_one(tmp_path):
     grown, fixed, history = _elastic_fit(mlp, slowed, dt.optim.sgd(0.05, momentum=0.9),
                                          data_of, epochs=3, fixed=True)
     assert grown["loss"] < 1.5 * fixed["loss"] + 1e-3, (grown, fixed, history.events)
+
+
+def test_an_averaging_run_grows_and_shrinks_and_applies_each_sample_once(tmp_path):
+    # ``average`` claims work too: the added worker takes part in rounds mid-run and the
+    # retired one leaves between them. A row's count reaches the parameters divided by a
+    # round's average there, so the applied samples are counted instead.
+    slow = functools.partial(spread, pace=0.08)
+    _, history, scaling = _elastic_fit(
+        tally, slow, register_tally(),
+        lambda c: indexed_dataset(c, tmp_path, rows=ROWS, chunk_rows=150), epochs=3,
+        mode="average", average_every=1)  # rounds of a batch: enough updates to retire on
+    assert sum(history.samples) == 3 * ROWS, history.events
+    assert not any(history.dropped), history.events
+    _assert_grew_and_shrank(history, scaling)

@@ -160,8 +160,8 @@ def _one_process(dataset, model, optimizer, epochs, client):
 @pytest.mark.parametrize("mode", ["sync", "average"])
 def test_sync_and_averaged_local_steps_with_groups_equal_torch_optim(client, regression, mode):
     config, reference_of = CONFIGS["sgd"]
-    options = ({"average_every": 1, "average_optimizer_state": True} if mode == "average"
-               else {})
+    options = ({"average_every": 1, "average_optimizer_state": True, "assignment": "static"}
+               if mode == "average" else {})
     trainer = dt.Trainer(normed, mse, config, mode, workers=2, batch_size=16,
                          progress=False, **options)
     trainer.fit(regression, epochs=2, client=client)

@@ -353,3 +353,25 @@ def test_an_average_near_the_float32_limit_is_taken_as_a_weighted_sum():
     assert version == 1 and refused == 0 and np.array_equal(params, np.zeros(4))
     params, version, refused = asyncio.run(scenario([3e38, 1e38]))
     assert refused == 0 and np.allclose(params, -2e38, rtol=1e-6)
+
+
+def test_evaluate_and_predict_send_the_model_alone_and_leave_it_as_it_was(client, regression):
+    import pickle
+
+    from dasktrain.trainer.driver.inference import compact_copy
+
+    trainer = _trainer()
+    trainer.fit(regression, epochs=1, client=client)
+    model = trainer.model
+    values = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    # After a fit the parameters are views of the trainer's flat storage, which pickles
+    # whole with any view of it; what evaluation sends holds the model's values only.
+    sent = len(pickle.dumps(compact_copy(model)))
+    assert sent < values + 4096, (sent, values)
+    assert len(pickle.dumps(model)) - sent >= values  # the view carries at least a copy more
+    model.train()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.evaluate(regression, client=client)
+    trainer.predict(regression, client=client).compute()
+    assert model.training  # predict's eval() was on its copy
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -8,6 +8,7 @@ once, as one key shared by every task.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from dasktrain.datasets import Dataset
 from dasktrain.pipeline.named import NamedBatch, check_pair_batches
 from dasktrain.trainer.worker.compute import BatchCompute, MetricTotals, batch_size_of
 
-__all__ = ["ForwardFunction", "evaluate_on_cluster", "predict_on_cluster"]
+__all__ = ["ForwardFunction", "compact_copy", "evaluate_on_cluster", "predict_on_cluster"]
 
 ForwardFunction = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -98,6 +99,17 @@ def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Data
     return {**totals.to_dict(), "correct": correct, "classified": counted}
 
 
+def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers own their memory: after a fit they
+    are views of the trainer's flat storage, and a view pickles the whole storage with it
+    (several times the model, sent with every evaluation)."""
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for tensor in [*clone.parameters(), *clone.buffers()]:
+            tensor.data = tensor.data.clone()
+    return clone
+
+
 def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client, *,
                        batch_size: int, forward: ForwardFunction | None, as_dict: bool,
                        threads: int) -> da.Array:
@@ -106,6 +118,7 @@ def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client,
     if not as_dict:
         check_pair_batches(dataset)
     first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
+    model = compact_copy(model)  # put in eval mode and sent: not the caller's
     model.eval()
     with torch.no_grad():
         sample = _forward(model, forward, first)
@@ -127,7 +140,7 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
     are class labels), computed by tasks on the cluster's workers."""
     if not as_dict:
         check_pair_batches(dataset)
-    shared = dask.delayed(model, pure=False)
+    shared = dask.delayed(compact_copy(model), pure=False)
     task = dask.delayed(_evaluate_block, pure=True)
     parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads)
              for a, b in _ranges(dataset, dataset.chunk_rows)]

@@ -40,7 +40,6 @@ from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import HolderShards
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
 from dasktrain.trainer.holder.shards import shard_workers
-from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.view.history import History
 from dasktrain.trainer.worker.loop import WorkerConfig, WorkerFailure, run_worker
 from dasktrain.trainer.worker.retire import RetireWatch
@@ -174,9 +173,9 @@ class FitRun:
         present, changed = self._places.start(epoch)
         if changed is not None:
             config = self.worker_config
-            how = (f"a step averages their {present} batches ({present * config.batch_size} "
-                   "samples)" if mode_class(config.mode).lockstep else
-                   "each claims work as it goes")
+            how = ("each claims work as it goes" if config.assignment == "dynamic" else
+                   f"a step averages their {present} batches ({present * config.batch_size} "
+                   "samples)")
             self.history.events.append(f"{changed}; {how}; the learning rate follows its "
                                        "schedule")
         self.call("begin_epoch", epoch, fresh, self._work(epoch), present)

@@ -192,16 +192,16 @@ def worker_range(workers: Any) -> tuple[int, int]:
 
 def resolve_assignment(assignment: Any, mode: str, holder_shards: int) -> str:
     """``"static"`` or ``"dynamic"`` for a Trainer's ``assignment``: ``"auto"`` is dynamic
-    wherever it applies (modes that do not step in lock-step, one holder)."""
+    wherever it applies (every mode but ``sync``, one holder)."""
     if assignment not in ASSIGNMENTS:
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
-    lockstep = mode_class(mode).lockstep
+    claims = mode_class(mode).claims_work
     if assignment == "auto":
-        return "static" if lockstep or holder_shards > 1 else "dynamic"
-    if assignment == "dynamic" and lockstep:
+        return "dynamic" if claims and holder_shards == 1 else "static"
+    if assignment == "dynamic" and not claims:
         raise ValueError(f"assignment='dynamic' does not apply to mode {mode!r}: its workers "
                          "step in lock-step, each step one batch of every worker (use "
-                         "'async', 'ssp' or 'soft', or assignment='static')")
+                         "'async', 'ssp', 'soft' or 'average', or assignment='static')")
     if assignment == "dynamic" and holder_shards > 1:
         raise ValueError("assignment='dynamic' needs a single holder (holder_shards=1): "
                          "the holder hands out the work")

@@ -8,7 +8,6 @@ and :mod:`.persistence` (``save``, ``load``).
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -359,7 +358,7 @@ class Trainer:
         """
         dataset = data if isinstance(data, Dataset) else open_dataset(data)
         with cluster_client(client) as c:
-            return predict_on_cluster(copy.deepcopy(self.model), dataset, c,
+            return predict_on_cluster(self.model, dataset, c,
                                       batch_size=batch_size, forward=forward,
                                       as_dict=self.pipeline_options["as_dict"],
                                       threads=self.torch_threads)

@@ -81,10 +81,11 @@ class HolderHandle:
         return "local" if self.local else "direct" if self._channel is not None else "actor"
 
     def join(self, worker: int, address: str | None, layout: FlatLayout,
-             into: np.ndarray | None = None) -> dict[str, Any]:
-        """Join the holder as ``worker``; opens the direct channel for pushes if offered,
-        whose replies are received into ``into`` when given."""
-        info = self.request("join", worker, address, layout, what=f"worker {worker} to join")
+             into: np.ndarray | None = None, epoch: int | None = None) -> dict[str, Any]:
+        """Join the holder as ``worker`` (a task of ``epoch``); opens the direct channel
+        for pushes if offered, whose replies are received into ``into`` when given."""
+        info = self.request("join", worker, address, layout, epoch,
+                            what=f"worker {worker} to join")
         self._into = into
         self._worker = worker
         if self._client is None:

@@ -207,7 +207,7 @@ class ShardedHandle(_Shards):
     order = None  # buckets are not sent to shards
 
     def join(self, worker: int, address: str | None, layout: FlatLayout,
-             into: np.ndarray | None = None) -> dict[str, Any]:
+             into: np.ndarray | None = None, epoch: int | None = None) -> dict[str, Any]:
         """Join every shard; the parameters are assembled from their slices, and the worker
         continues after the last batch any shard took."""
         self._bounds = [bounds for bounds, _ in shard_layouts(layout, len(self.handles))]
@@ -216,8 +216,10 @@ class ShardedHandle(_Shards):
         if self._into.shape != (size,):
             raise ValueError(f"the receive buffer must hold {size} values")
         # One shard after the other: joining opens each shard's direct channel.
-        infos = [h.join(worker, address, layout, into=self._into[a:b])
+        infos = [h.join(worker, address, layout, into=self._into[a:b], epoch=epoch)
                  for h, (a, b) in zip(self.handles, self._bounds, strict=True)]
+        if any(info.get("surplus") for info in infos):
+            return {"surplus": True}
         params = np.empty(size, dtype=np.float32)
         for (a, b), info in zip(self._bounds, infos, strict=True):
             params[a:b] = info["params"]

@@ -90,7 +90,8 @@ class ParameterHolder:
         self.refused = 0
         self._members = Membership(config.workers)
         # Work claimed on demand (assignment="dynamic"): None when ranks own their stride.
-        self._ledger = WorkLedger() if config.assignment == "dynamic" else None
+        self._ledger = (WorkLedger(whole_runs=mode_class(config.mode).pushes_runs)
+                        if config.assignment == "dynamic" else None)
         self._work_waiters: list[asyncio.Future] = []  # claims waiting for work to free
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, once an epoch began
         self._claims: list[tuple[int, int, int, int]] = []  # (version, worker, start, stop)
@@ -157,6 +158,11 @@ class ParameterHolder:
         if self._ledger is not None:  # positions are batch indices there, not counts
             return self._ledger.taken_by(worker)
         return self._members.position_in(worker, self._epoch)
+
+    @property
+    def claims_work(self) -> bool:
+        """Whether workers claim their batches as they go (``assignment="dynamic"``)."""
+        return self._ledger is not None
 
     def live_workers(self) -> set[int]:
         """Workers still to push this epoch: not finished, not lost, and, where work is
@@ -248,9 +254,11 @@ class ParameterHolder:
 
     async def claim(self, worker: int, epoch: int, wait: float = 2.0) -> list[int] | None:
         """The next run of the epoch's global batches for ``worker`` to train on, as
-        ``[start, stop]``; ``[]`` if none is free within ``wait`` seconds although the epoch
-        is not done (what others claimed may come back: ask again); None once every batch
-        of ``epoch`` is done (or ``epoch`` is over). See :mod:`.ledger`."""
+        ``[start, stop]`` (``[start, stop, piece]`` where a push covers ``piece`` batches of
+        it: see :meth:`~dasktrain.trainer.modes.base.UpdateMode.claim_size`); ``[]`` if none
+        is free within ``wait`` seconds although the epoch is not done (what others claimed
+        may come back: ask again); None once every batch of ``epoch`` is done (or ``epoch``
+        is over). See :mod:`.ledger`."""
         self._check_usable()
         self._members.check(worker)
         ledger = self._ledger
@@ -262,10 +270,12 @@ class ParameterHolder:
             if epoch != ledger.epoch or ledger.finished:
                 return None
             live = len(self._members.live())
-            run = ledger.claim(worker, live)
+            size, piece = self._mode.claim_size(worker)
+            run = ledger.claim(worker, live, size, piece)
             if run is not None:
                 self._claims.append((self._version, worker, run.start, run.stop))
-                return [run.start, run.stop]
+                return [run.start, run.stop] if piece is None else \
+                    [run.start, run.stop, piece]
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return []
@@ -282,11 +292,17 @@ class ParameterHolder:
             self._check_usable()
             self._members.heard(worker)
 
-    async def join(self, worker: int, address: str | None, layout: FlatLayout
-                   ) -> dict[str, Any]:
-        """A worker (re)starts: check its model, hand it the parameters and its position."""
+    async def join(self, worker: int, address: str | None, layout: FlatLayout,
+                   epoch: int | None = None) -> dict[str, Any]:
+        """A worker (re)starts: check its model, hand it the parameters and its position.
+        A task of another ``epoch`` than the holder's steps aside (``{"surplus": True}``):
+        the driver cancelled it, but a running task cannot be stopped from outside."""
         self._check_usable()
         self._members.check(worker)
+        if epoch is not None and epoch != self._epoch:
+            logger.info("holder: a task of worker %d for epoch %d joined in epoch %d: it "
+                        "steps aside", worker, epoch, self._epoch)
+            return {"surplus": True}
         if layout != self.model_layout:
             raise ValueError(f"worker {worker}'s model does not match the holder's "
                              f"({self.model_layout.describe_difference(layout)}): every "

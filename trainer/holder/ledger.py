@@ -13,6 +13,9 @@ fast worker takes more of the epoch than a slow one. Exactly once per epoch:
 * a gradient for a batch is admitted once (:meth:`WorkLedger.arrive`): a second one (its
   first worker was given up and another took the batch, then both pushed) is refused (an
   event of the History; the batch counts once);
+* where one push covers a whole claimed run (``whole_runs``: ``average``, whose worker
+  takes local steps on the run and then pushes its parameters), the run is admitted, taken
+  and refused as one, named by its last batch;
 * a batch is done when the holder takes its gradient (:meth:`WorkLedger.taken`: applied,
   kept for a later update, or recorded as dropped by the mode's rule), in the holder's
   serial section, so that a checkpoint holds a batch as done exactly when its parameters
@@ -60,8 +63,10 @@ def _locked(method: _F) -> _F:
 class WorkLedger:
     """The global batches of one epoch and who has them (see the module docstring)."""
 
-    def __init__(self, claim_batches: int = CLAIM_BATCHES) -> None:
+    def __init__(self, claim_batches: int = CLAIM_BATCHES, whole_runs: bool = False) -> None:
         self.claim_batches = claim_batches
+        self.whole_runs = whole_runs
+        self._runs: dict[tuple[int, int], int] = {}  # (worker, last batch) -> first batch
         self._lock = threading.Lock()
         self.epoch = -1
         self._owner = np.zeros(0, dtype=np.int64)  # pending, done, or the claiming worker
@@ -100,6 +105,7 @@ class WorkLedger:
         self.epoch = epoch
         self._bounds = np.asarray(sorted(set(bounds) | {0}), dtype=np.int64)
         self._arriving.clear()
+        self._runs.clear()
         self._cursor = 0
 
     @property
@@ -115,10 +121,14 @@ class WorkLedger:
 
     # -- claims ------------------------------------------------------------------------
     @_locked
-    def claim(self, worker: int, live: int) -> range | None:
+    def claim(self, worker: int, live: int, size: int | None = None,
+              piece: int | None = None) -> range | None:
         """The next run of pending batches for ``worker``, now claimed by it; None if none
         is pending now (some may come back: see :attr:`finished`). ``live`` is the number
-        of workers taking work, for the guided size."""
+        of workers taking work, for the guided size; ``size`` replaces that size (the
+        mode's choice, see :meth:`~dasktrain.trainer.modes.base.UpdateMode.claim_size`).
+        With ``whole_runs``, the run is pushed in pieces of ``piece`` batches (default: the
+        whole run), each admitted and taken as one."""
         owner = self._owner
         pending = self._count[_PENDING]
         if not pending:
@@ -126,7 +136,9 @@ class WorkLedger:
             return None
         start = self._cursor + int(np.argmax(owner[self._cursor:] == _PENDING))
         self._cursor = start
-        size = min(self.claim_batches, max(1, math.ceil(pending / (2 * max(live, 1)))))
+        if size is None:
+            size = min(self.claim_batches, max(1, math.ceil(pending / (2 * max(live, 1)))))
+        size = max(1, int(size))
         bound = int(np.searchsorted(self._bounds, start, side="right"))
         stop = min(start + size, int(self._bounds[bound]) if bound < len(self._bounds)
                    else len(owner))
@@ -135,6 +147,10 @@ class WorkLedger:
         if len(taken):  # a released batch's neighbour is still out: a shorter run
             stop = start + int(taken[0])
         self._move(slice(start, stop), worker)
+        if self.whole_runs:
+            step = piece or stop - start
+            for first in range(start, stop, step):
+                self._runs[(worker, min(first + step, stop) - 1)] = first
         return range(start, stop)
 
     @_locked
@@ -143,29 +159,43 @@ class WorkLedger:
         :meth:`taken`), else why it is refused."""
         if not 0 <= batch < len(self._owner):
             return f"batch {batch} is not one of the epoch's {len(self._owner)}"
-        state = int(self._owner[batch])
-        if state == _DONE or batch in self._arriving:
-            return f"batch {batch} was already applied"
+        run = self._run(worker, batch)
+        if run is None:
+            return f"batch {batch} ends no run that worker {worker} claimed"
+        if any(self._owner[b] == _DONE or b in self._arriving for b in run):
+            return f"batch {batch} was already applied" if len(run) == 1 else \
+                f"batches {run.start}-{run.stop - 1} were already applied, some or all"
         # Claimed by another worker after this one's claim was given back: the first
         # gradient in wins, the other's is refused when it comes.
-        del state
-        self._move(batch, worker)
-        self._arriving.add(batch)
+        self._move(slice(run.start, run.stop), worker)
+        self._arriving.update(run)
         return None
+
+    def _run(self, worker: int, batch: int) -> range | None:
+        """The batches a push of ``worker`` named by ``batch`` covers (None: no such run)."""
+        if not self.whole_runs:
+            return range(batch, batch + 1)
+        start = self._runs.get((worker, batch))
+        return None if start is None else range(start, batch + 1)
 
     @_locked
     def taken(self, worker: int, batch: int) -> None:
         """``worker``'s gradient of ``batch`` was taken (serial section)."""
-        if 0 <= batch < len(self._owner) and self._owner[batch] != _DONE:
-            self._move(batch, _DONE)
-            self._arriving.discard(batch)
-            self._taken[worker] = self._taken.get(worker, 0) + 1
+        run = self._run(worker, batch) if 0 <= batch < len(self._owner) else None
+        self._runs.pop((worker, batch), None)
+        for b in run or ():
+            if self._owner[b] != _DONE:
+                self._move(b, _DONE)
+                self._arriving.discard(b)
+                self._taken[worker] = self._taken.get(worker, 0) + 1
 
     @_locked
     def release(self, worker: int) -> int:
         """Give back what ``worker`` claimed and did not push; returns how many batches."""
         back = np.flatnonzero(self._owner == worker)
         back = np.asarray([b for b in back.tolist() if b not in self._arriving], dtype=np.int64)
+        self._runs = {(w, last): first for (w, last), first in self._runs.items()
+                      if w != worker or last in self._arriving}
         if len(back):
             self._move(back, _PENDING)
             self._cursor = min(self._cursor, int(back[0]))
@@ -211,4 +241,5 @@ class WorkLedger:
         self._recount()
         self._taken = {int(w): int(n) for w, n in state["taken"].items()}
         self._arriving.clear()
+        self._runs.clear()
         self._cursor = 0

@@ -9,17 +9,27 @@ worker continues from it. One update is one averaging round.
 moments) with the parameters; by default each worker keeps its own, which the holder stores
 between rounds (so it survives epochs, restarts and checkpoints).
 
-With K = 1 and plain SGD this is ``sync`` exactly: the average of one SGD step from the same
-parameters is one SGD step on the average gradient. With momentum it is ``sync`` only when
-the optimizer state is averaged too.
+With K = 1, plain SGD and each worker on its own stride (``assignment="static"``) this is
+``sync`` exactly: the average of one SGD step from the same parameters is one SGD step on
+the average gradient. With momentum it is ``sync`` only when the optimizer state is averaged
+too.
 
 A worker whose process died starts again, as in ``sync``, after the last of its pushes the
 holder took: the local steps it had taken since are taken again, so every batch of the
 epoch is in exactly one average.
+
+Where work is claimed on demand (``assignment="dynamic"``, the default with one holder), a
+worker's local steps between two averages are one claimed run of batches, and the holder
+sizes each claim by the worker's pace: K batches for the fastest worker, fewer in
+proportion for slower ones (at least one), paces measured from the time between handing a
+worker the average and its next push. A round then lasts about K steps of the fastest
+worker instead of K steps of the slowest, and a fast worker takes more of the epoch. A run
+is applied, or given back to the pool when its worker dies or leaves, as a whole.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,7 +101,8 @@ class LocalSteps(WorkerStep):
             self.optimizer.step(lr=lr * self.lr_factor)
             self._count += count
             self._loss += loss * count
-        if (step + 1) % self.every and not last:
+        # Claimed work: a push ends each claimed run, whose length the holder chose.
+        if not last and (self.context.claimed or (step + 1) % self.every):
             return None
         np.copyto(self._out[: self._size], self.flat.state())
         self.optimizer.flatten_state(self._out[self._size:])
@@ -100,9 +111,16 @@ class LocalSteps(WorkerStep):
         return push
 
 
+#: Weight of a worker's latest measured pace in its running estimate.
+PACE_WEIGHT = 0.5
+#: Pushes in one claim of work: claims cost a call to the holder each, besides the pushes.
+PUSHES_PER_CLAIM = 2
+
+
 class AverageMode(RoundMode):
     name = "average"
     lockstep = True
+    pushes_runs = True
     worker_step = LocalSteps
 
     def __init__(self, host: Host | None, *, average_every: int = DEFAULT_EVERY,
@@ -113,6 +131,8 @@ class AverageMode(RoundMode):
         self._shared: torch.Tensor | None = None  # averaged optimizer state
         self._own: dict[int, torch.Tensor] = {}  # each worker's optimizer state
         self._extra = 0
+        self._sent_at: dict[int, float] = {}  # when each worker was last handed parameters
+        self._pace: dict[int, float] = {}  # each worker's samples per second of local steps
         if host is not None:
             self._extra = state_size(host.optimizer, host.layout.param_segments())
 
@@ -142,7 +162,38 @@ class AverageMode(RoundMode):
         return layout.size + state_size(optimizer, layout.param_segments())
 
     async def push(self, contribution: Contribution) -> None:
+        if self.host.claims_work:
+            self._measure(contribution)
         await self.enter_if_current(contribution, "parameters")
+
+    def sent(self, worker: int) -> None:
+        self._sent_at[worker] = time.monotonic()
+
+    def _measure(self, contribution: Contribution) -> None:
+        """The pace of ``contribution``'s local steps: its samples over the time since its
+        worker was handed the parameters they started from."""
+        since = self._sent_at.pop(contribution.worker, None)
+        if since is None or contribution.count <= 0:
+            return  # its first run since it joined: the join's reply is not timed
+        elapsed = time.monotonic() - since
+        if elapsed <= 0:
+            return
+        pace = contribution.count / elapsed
+        before = self._pace.get(contribution.worker)
+        self._pace[contribution.worker] = pace if before is None else \
+            PACE_WEIGHT * pace + (1 - PACE_WEIGHT) * before
+
+    def claim_size(self, worker: int) -> tuple[int, int]:
+        """Pushes of K batches for the fastest live worker, fewer for a slower one in
+        proportion to its pace, at least one (K until paces are known); a claim holds
+        :data:`PUSHES_PER_CLAIM` of them."""
+        pace = self._pace.get(worker)
+        piece = self.every
+        if pace is not None:
+            fastest = max([pace, *(self._pace[w] for w in self.host.live_workers()
+                                   if w in self._pace)])
+            piece = max(1, round(self.every * pace / fastest))
+        return PUSHES_PER_CLAIM * piece, piece
 
     def complete(self) -> bool:
         return not self.waiting_for()

@@ -120,6 +120,9 @@ class Host(Protocol):
     @property
     def values(self) -> torch.Tensor: ...
 
+    @property
+    def claims_work(self) -> bool: ...
+
     def live_workers(self) -> set[int]: ...
     def batches_taken(self, worker: int) -> int: ...
     def record_event(self, text: str) -> None: ...
@@ -141,6 +144,13 @@ class UpdateMode:
     lockstep: ClassVar[bool] = False
     """True when every worker steps through the same number of steps per epoch (those
     without a batch push nothing but their presence)."""
+    claims_work: ClassVar[bool] = True
+    """True when workers may claim their batches from the holder as they go
+    (``assignment="dynamic"``, see :mod:`dasktrain.trainer.holder.ledger`): every mode but
+    ``sync``, whose every step takes one batch of each worker."""
+    pushes_runs: ClassVar[bool] = False
+    """True when a push of claimed work covers the whole run of batches its worker claimed
+    (``average``: the local steps between two averages), not one batch."""
     gradient_fields: ClassVar[dict[str, Any]] = {}
     """Extra per-gradient record fields and their defaults (see :mod:`..records`)."""
     worker_step: ClassVar[type[WorkerStep]] = GradientStep
@@ -216,6 +226,13 @@ class UpdateMode:
         host's current parameters."""
         del worker
         return None
+
+    def claim_size(self, worker: int) -> tuple[int | None, int | None]:
+        """How many batches ``worker``'s next claim should hold (None: the ledger's guided
+        size, see :mod:`dasktrain.trainer.holder.ledger`), and, where pushes cover runs
+        (:attr:`pushes_runs`), how many batches each push covers (None: the whole claim)."""
+        del worker
+        return None, None
 
     def start_position(self, worker: int, recorded: int) -> int:
         """Where ``worker`` (re)starts in the epoch; ``recorded`` is the number of its

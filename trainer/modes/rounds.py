@@ -67,7 +67,9 @@ class RoundMode(UpdateMode):
         ignored (see the module docstring)."""
         host = self.host
         epoch, batches = contribution.position
-        if epoch == host.epoch and batches <= host.batches_taken(contribution.worker):
+        # Where work is claimed, positions name batches and the ledger refuses repeats.
+        if not host.claims_work and epoch == host.epoch \
+                and batches <= host.batches_taken(contribution.worker):
             host.record_event(f"worker {contribution.worker}: {what} of a batch applied "
                               f"already (position {batches} of epoch {epoch}), computed "
                               "again after a restart; ignored")

@@ -143,7 +143,8 @@ def _step_for(config: WorkerConfig, flat: FlatModel, epoch: int) -> WorkerStep:
     """The mode's worker step (see :mod:`dasktrain.trainer.worker.steps`)."""
     context = StepContext(config.optimizer, dict(config.mode_options),
                           step_offset=sum(config.epoch_steps[:epoch]),
-                          total_steps=sum(config.epoch_steps), clip=config.clip)
+                          total_steps=sum(config.epoch_steps), clip=config.clip,
+                          claimed=config.assignment == "dynamic")
     return worker_step_class(config.mode)(flat, context)
 
 
@@ -154,7 +155,8 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
            worker: int, address: str | None, epoch: int, world: int, started: float
            ) -> dict[str, Any]:
     strategy = _step_for(config, flat, epoch)
-    info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer())
+    info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer(),
+                       epoch=epoch)
     if info.get("surplus"):
         return {"worker": worker, "epoch": epoch, "surplus": True}
     handle.share(strategy.adopt)  # on the holder's host: pushes then copy nothing
@@ -167,12 +169,14 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
                     device=device, client=get_client(), prefetch_next_epoch=False,
                     **config.pipeline_options)
     pipe.set_epoch(epoch)
-    if config.assignment == "dynamic":
+    claimed = config.assignment == "dynamic"
+    run_ends: set[int] = set()  # the last batch of each run claimed
+    if claimed:
         # Each batch's position is its index in the epoch plan: the holder's ledger knows
         # which are done (see dasktrain.trainer.holder.ledger).
         start, steps = 0, None
         items: Generator[tuple[int, Any], None, None] = pipe.claiming(
-            functools.partial(_claim, handle, worker, epoch), ahead=CLAIMS_AHEAD)
+            functools.partial(_claim, handle, worker, epoch, run_ends), ahead=CLAIMS_AHEAD)
     else:
         plan = pipe.plan()
         mine = len(plan.rank_batches(worker, world))
@@ -193,7 +197,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
     step = start
     retired = False
     while item is not None:
-        if config.assignment == "dynamic" and retiring():
+        if claimed and retiring():
             retired = True  # hand back what is claimed, while the worker still lives
             break
         mark, batch = item
@@ -224,8 +228,11 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
                 else:  # the holder refuses its gradient: it counts in no epoch mean
                     nonfinite += 1
         # A gradient on its way since backward began needs no asking what to push.
-        push = None if outgoing is not None else \
-            strategy.after_backward(step, count, loss_value, last=step + 1 == steps)
+        # Claimed work: the schedule's step is the batch's place among the epoch's lock-step
+        # steps, and a run ends where its claim did.
+        push = None if outgoing is not None else strategy.after_backward(
+            mark // world if claimed else step, count, loss_value,
+            last=mark in run_ends if claimed else step + 1 == steps)
         step += 1
         t1 = time.perf_counter()
         compute += t1 - t0
@@ -244,7 +251,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
         strategy.load(params)
         _tell(handle, worker, taken_warnings())
         wait += time.perf_counter() - t1
-    retired = retired or (config.assignment == "dynamic" and retiring())
+    retired = retired or (claimed and retiring())
     if retired:
         items.close()  # stops the pipeline: nothing more is claimed
     handle.request("leave", worker, retired, what=f"worker {worker} to leave")
@@ -271,14 +278,19 @@ def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
         pass
 
 
-def _claim(handle: Handle, worker: int, epoch: int, stop: threading.Event) -> range | None:
+def _claim(handle: Handle, worker: int, epoch: int, run_ends: set[int],
+           stop: threading.Event) -> range | None:
     """The next run of global batches ``worker`` claims from the holder (on the pipeline's
-    feeder thread); None once the epoch has no more work for it."""
+    feeder thread), its last batch added to ``run_ends``; None once the epoch has no more
+    work for it."""
     while not stop.is_set() and not retiring():  # a retiring worker claims no more
         run = handle.request("claim", worker, epoch, what=f"work for worker {worker}")
         if run is None:
             return None
         if run:
+            piece = run[2] if len(run) > 2 else run[1] - run[0]
+            run_ends.update(range(run[0] + piece - 1, run[1] - 1, piece))
+            run_ends.add(run[1] - 1)
             return range(run[0], run[1])
         # []: nothing free now, but what others hold may come back (a worker dies): ask again
     return None

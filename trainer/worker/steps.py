@@ -37,6 +37,7 @@ class StepContext:
     step_offset: int  # lock-step steps of the fit before this epoch
     total_steps: int  # lock-step steps of the whole fit
     clip: tuple[float | None, float | None] = (None, None)  # gradient norm, value
+    claimed: bool = False  # work claimed on demand: a push ends each claimed run
 
 
 class WorkerStep:
