@@ -55,8 +55,9 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# The pipeline, holder, update-throughput, scaling, straggler and end-to-end benchmarks, then
-# one table of their ratios (their own reports on stderr); preparation has its own table.
+# The pipeline, holder, update-throughput, scaling, straggler, end-to-end, image and text
+# benchmarks, then one table of their ratios (their own reports on stderr); preparation has
+# its own table.
 bench: setup
 	$(VENV)/bin/dasktrain bench
 	$(PY) benchmarks/prepare.py

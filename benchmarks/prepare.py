@@ -44,11 +44,9 @@ import argparse
 import logging
 import platform
 import shlex
-import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,7 +56,13 @@ from distributed import Client, LocalCluster
 
 import dasktrain
 from dasktrain._cluster import NO_DASHBOARD, start_local_cluster
-from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.cli.bench import (
+    Ratio,
+    interleaved_medians,
+    parse_with_quick,
+    ratio_of,
+    write_ratios,
+)
 from dasktrain.datasets.format import chunk_rows_for
 
 CHUNK_ROWS = 8192
@@ -105,11 +109,6 @@ def dask_write(client: Client, x_path: Path, y_path: Path, out: Path, **opts: ob
                       target=str(y_path), **opts)
 
 
-def timed(run: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
 
 def check_same(baseline_out: Path, dask_out: Path) -> None:
     """The plain dask output must hold exactly what the baseline wrote (same work)."""
@@ -142,25 +141,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def measure(runs: dict[str, Callable[[], None]], repeats: int,
-            failed: dict[str, str]) -> dict[str, float]:
-    """Median seconds of each run, after one unmeasured warm-up run of each (imports on the
-    workers, page cache); runs interleaved so that drift hits every path alike. A dask path
-    that fails is recorded in ``failed``, not timed, and the others still run."""
-    for name, run in runs.items():
-        try:
-            run()
-        except Exception as exc:
-            if name.startswith("base"):
-                raise
-            traceback.print_exc()
-            failed[name] = f"{type(exc).__name__}: {exc}"
-    times: dict[str, list[float]] = {name: [] for name in runs if name not in failed}
-    for _ in range(repeats):
-        for name in times:
-            times[name].append(timed(runs[name]))
-    return {name: statistics.median(t) for name, t in times.items()}
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -185,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         with start_local_cluster(args.workers) as cluster, Client(cluster) as client:
             client.wait_for_workers(args.workers)
             tuned = {"chunk_rows": args.chunk_rows}
-            med = measure({
+            med = interleaved_medians({
                 "base-default": baseline(default_rows),
                 "plain-default": dask(client, "plain-default"),
                 "more-default": dask(client, "more-default", **MORE_WORK),
@@ -197,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                           host="127.0.0.1", **NO_DASHBOARD,
                           silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
             client.wait_for_workers(args.workers)
-            own = measure({"base-own": baseline(default_rows),
+            own = interleaved_medians({"base-own": baseline(default_rows),
                            "plain-own": dask(client, "plain-own")}, args.repeats, failed)
             med.update(own)
         for name, rows in (("default", default_rows), ("tuned", args.chunk_rows),

@@ -49,13 +49,11 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import argparse
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,7 +63,13 @@ from distributed import Client
 
 import dasktrain
 from dasktrain._cluster import start_local_cluster
-from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.cli.bench import (
+    Ratio,
+    interleaved_medians,
+    parse_with_quick,
+    ratio_of,
+    write_ratios,
+)
 from dasktrain.datasets.format import chunk_rows_for
 
 EOT = "<|endoftext|>"
@@ -183,29 +187,6 @@ def check_same(baseline_out: Path, dask_out: Path) -> None:
                                  f"{want.shape} rows (got {got.shape})")
 
 
-def timed(run: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
-def measure(runs: dict[str, Callable[[], object]], repeats: int,
-            failed: dict[str, str]) -> dict[str, float]:
-    """Median seconds of each run after one unmeasured warm-up of each, interleaved; a dask
-    run that fails is recorded in ``failed`` and the others still run."""
-    for name, run in runs.items():
-        try:
-            run()
-        except Exception as exc:
-            if name.startswith("base"):
-                raise
-            traceback.print_exc()
-            failed[name] = f"{type(exc).__name__}: {exc}"
-    times: dict[str, list[float]] = {name: [] for name in runs if name not in failed}
-    for _ in range(repeats):
-        for name in times:
-            times[name].append(timed(runs[name]))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def shell_run(corpus: Path, out: Path) -> float:
@@ -281,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[f"dask-{kind}"] = dask(client, kind)
             runs["basezarr-bytes"] = lambda: baseline_zarr(corpus, root / "base-zarr.zarr",
                                                            args.seq_len)
-            med = measure(runs, args.repeats, failed)
+            med = interleaved_medians(runs, args.repeats, failed)
         for kind in kinds:
             if f"dask-{kind}" not in failed:
                 check_same(root / f"base-{kind}", root / f"dask-{kind}.zarr")

@@ -77,7 +77,7 @@ def test_a_failing_benchmark_is_named_and_the_others_still_make_the_table(tmp_pa
                "ratio": None, "goal": "—"}
         open(args.ratios_json, "w").write(json.dumps([row]))
         """))
-    for name in ("scaling", "e2e"):  # rows of none
+    for name in ("scaling", "e2e", "images", "text"):  # rows of none
         (tmp_path / f"{name}.py").write_text(_script("""\
             open(args.ratios_json, "w").write("[]")
             """))

@@ -17,11 +17,14 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -40,7 +43,7 @@ __all__ = [
 
 #: The benchmarks of the summary, in the order they run (the shortest first).
 BENCHMARKS: tuple[str, ...] = ("pipeline", "holder", "updates", "scaling", "stragglers",
-                               "e2e")
+                               "e2e", "images", "text")
 
 #: Seconds one benchmark may run before it is interrupted (its full run takes minutes).
 TIMEOUT_S = {True: 600.0, False: 3600.0}
@@ -103,6 +106,34 @@ def baseline_environment() -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
+
+
+def timed(run: Callable[[], object]) -> float:
+    """Seconds ``run()`` takes."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int,
+                        failed: dict[str, str]) -> dict[str, float]:
+    """Median seconds of each run, after one unmeasured warm-up run of each (imports on the
+    workers, page cache); runs interleaved so that drift hits every path alike. A run whose
+    name does not start with ``base`` and that fails is recorded in ``failed``, not timed,
+    and the others still run."""
+    for name, run in runs.items():
+        try:
+            run()
+        except Exception as exc:
+            if name.startswith("base"):
+                raise
+            traceback.print_exc()
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    times: dict[str, list[float]] = {name: [] for name in runs if name not in failed}
+    for _ in range(repeats):
+        for name in times:
+            times[name].append(timed(runs[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def ratio_of(ours: float, baseline: float) -> float | None:
