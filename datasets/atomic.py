@@ -18,6 +18,7 @@ from typing import Any
 
 import zarr
 
+from dasktrain import _stop
 from dasktrain._durable import fsync_directory
 from dasktrain.datasets.format import ATTRS_KEY
 from dasktrain.datasets.leftovers import leftovers, lock_directory, locked_by_another
@@ -78,6 +79,7 @@ class StagedDirectory:
     def publish(self, attrs: dict[str, Any] | None = None) -> None:
         """Record ``attrs`` as the dataset's attributes, then move the build into place,
         replacing (and then deleting) any previous target."""
+        _stop.check()  # a Ctrl-C that Python swallowed: the build is not published
         if attrs is not None:
             zarr.open_group(str(self.path), mode="r+").attrs[ATTRS_KEY] = attrs
         shutil.rmtree(self.scratch, ignore_errors=True)

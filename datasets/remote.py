@@ -37,6 +37,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 from zarr.storage import FsspecStore
 
+from dasktrain import _stop
 from dasktrain._durable import (
     StorageOptions,
     join,
@@ -134,6 +135,7 @@ class StagedPrefix:
     def publish(self, attrs: dict[str, Any]) -> None:
         """Point the dataset's metadata at this build (one PUT), then delete what it
         replaced and any leftovers of interrupted builds."""
+        _stop.check()  # a Ctrl-C that Python swallowed: the build is not published
         with storage_errors(self.url):
             self._remove(self.scratch_name)
             names = _names(self.fs, self.root)

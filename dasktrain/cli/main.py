@@ -15,6 +15,9 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
+
+from dasktrain import _stop
 
 __all__ = ["main"]
 
@@ -298,7 +301,20 @@ class _QuietAfterInterrupt(logging.Filter):
     def on_signal(self, signum: int, frame: object) -> None:
         # Set before KeyboardInterrupt starts unwinding, so before any cancel is scheduled.
         self.interrupted = True
-        raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        stop = _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        _stop.request(stop)  # raised again before publishing, should this one be swallowed
+        raise stop
+
+
+def _quiet_stops(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``sys.unraisablehook`` that keeps quiet about our own stop raised where Python
+    cannot raise (a garbage-collector callback): :mod:`dasktrain._stop` raises it again
+    before anything is published, and the command prints its one line."""
+    def unraisable(info: Any) -> None:
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            hook(info)
+
+    return unraisable
 
 
 def _show_warning(command: str) -> Callable[..., None]:
@@ -321,10 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The embedded cluster's one line (with its dashboard) goes with the command's output.
     _cluster.announce = print
     quiet = _QuietAfterInterrupt()
+    _stop.clear()
     loop_errors = logging.getLogger("tornado.application")
     loop_errors.addFilter(quiet)
     previous = {signum: signal.signal(signum, quiet.on_signal)
                 for signum in (signal.SIGINT, signal.SIGTERM)}
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _quiet_stops(unraisable)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning(args.command)
@@ -341,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        sys.unraisablehook = unraisable
         loop_errors.removeFilter(quiet)
 
 
