@@ -70,6 +70,11 @@ class Dataset:
         """Each array's role (``features``, ``targets`` or ``other``), by name, in order."""
         return {name: self.role_of(name) for name in self.array_names}
 
+    @property
+    def encoded_arrays(self) -> list[str]:
+        """The arrays of variable-length bytes (encoded images): no tensor until decoded."""
+        return [name for name, a in self.attrs["arrays"].items() if a["dtype"] == "object"]
+
     def names_with_role(self, role: str) -> list[str]:
         """The names of the arrays of ``role``, in order (a model of several inputs has
         several ``features`` arrays)."""

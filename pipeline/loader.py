@@ -134,8 +134,7 @@ class Pipeline:
     ) -> None:
         self.dataset = data if isinstance(data, Dataset) else open_dataset(data)
         n = len(self.dataset)
-        encoded = [name for name, a in self.dataset.attrs["arrays"].items()
-                   if a["dtype"] == "object"]
+        encoded = self.dataset.encoded_arrays
         checks = [
             (isinstance(batch_size, int) and batch_size > 0,
              f"batch_size must be a positive integer, got {batch_size!r}"),

@@ -250,6 +250,12 @@ def test_pipeline_and_transform_refuse_what_cannot_work(client, prepared):
         images[i] = out.getvalue()
     with pytest.raises(ValueError, match=r"different sizes.*RandomResizedCrop or Resize"):
         ImageTransform()({"image": images}, np.random.default_rng(0))
+    # Evaluation and prediction read arrays as stored: encoded images are refused by name.
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    trainer = dt.Trainer(lambda: net, torch.nn.functional.cross_entropy, dt.optim.sgd(0.1))
+    for run in (trainer.evaluate, trainer.predict):
+        with pytest.raises(ValueError, match=r"\['image'\] hold encoded images.*decoded"):
+            run(prepared["encoded"], client=client)
 
 
 def test_crop_regions_follow_scale_and_ratio():

@@ -99,6 +99,17 @@ def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Data
     return {**totals.to_dict(), "correct": correct, "classified": counted}
 
 
+def check_decoded(dataset: Dataset, what: str) -> None:
+    """Refuse a dataset of encoded images: ``what`` (evaluation, prediction) reads the
+    arrays as stored, with no transform to decode them."""
+    encoded = dataset.encoded_arrays
+    if encoded:
+        raise ValueError(
+            f"{what} reads {dataset!r} as stored, and its array(s) {encoded} hold encoded "
+            "images (the files' bytes), which no model takes: use a split prepared with "
+            "--image-storage decoded at the model's input size (image_storage='decoded')")
+
+
 def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers own their memory: after a fit they
     are views of the trainer's flat storage, and a view pickles the whole storage with it
@@ -115,6 +126,7 @@ def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client,
                        threads: int) -> da.Array:
     """A lazy dask array of the model's outputs, one block per chunk of ``dataset``, whose
     tasks run on ``client``'s cluster."""
+    check_decoded(dataset, "prediction")
     if not as_dict:
         check_pair_batches(dataset)
     first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
@@ -138,6 +150,7 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
                         ) -> dict[str, float]:
     """Mean loss and metrics of ``model`` over ``dataset`` (and accuracy where the targets
     are class labels), computed by tasks on the cluster's workers."""
+    check_decoded(dataset, "evaluation")
     if not as_dict:
         check_pair_batches(dataset)
     shared = dask.delayed(compact_copy(model), pure=False)
