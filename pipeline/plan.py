@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-__all__ = ["EpochPlan", "Piece", "Unit", "Window"]
+__all__ = ["EpochPlan", "Piece", "Unit", "Window", "run_pieces"]
 
 #: Fewest rows the transform sees at a time (rounded up to whole batches).
 MIN_PIECE_ROWS = 256
@@ -249,3 +249,12 @@ class EpochPlan:
         first = int(offsets[window]) // self.batch_size
         last = min((int(offsets[window + 1]) - 1) // self.batch_size, self.num_batches - 1)
         return range(first, last + 1)
+
+
+def run_pieces(run: range, piece: int | None) -> list[range]:
+    """A claimed ``run`` of global batches cut into consecutive pieces of ``piece`` batches
+    (the last may be shorter; None: the whole run), each pushed as one (``average``'s
+    local steps between two averages)."""
+    step = piece or len(run)
+    return [range(first, min(first + step, run.stop))
+            for first in range(run.start, run.stop, step)]

@@ -6,10 +6,6 @@ crop parameters. Bad files are refused by name or skipped with a count."""
 from __future__ import annotations
 
 import io
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +23,7 @@ from dasktrain.pipeline.images import (
     RandomResizedCrop,
     Resize,
 )
-from tests.common.builders import REPO, assert_user_error, run_cli
+from tests.common.builders import assert_user_error, run_benchmark_quick, run_cli
 from tests.common.images import CLASSES, pillow_crop, pillow_decode, write_image_folder
 
 SIZE = (32, 32)  # stored size of the decoded dataset (the files are 40 x 48)
@@ -294,14 +290,9 @@ def test_cli_errors_are_one_line_with_exit_2(client, tmp_path):
 
 @pytest.mark.slow
 def test_the_benchmark_runs_quick_and_writes_its_rows(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "images.py"), "--quick", "--ratios-json",
-         str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=170,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
+    result, rows = run_benchmark_quick("images", tmp_path, timeout=170)
     assert "| torch DataLoader, num_workers=2 |" in result.stdout
     assert "command: .venv/bin/python benchmarks/images.py --quick" in result.stdout
-    rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["goal"] for r in rows] == ["≥ 2x DataLoader", "≤ 2 % stall", "≥ 1.0x DataLoader",
                                          "—"]
     assert all(r["ratio"] is None or r["ratio"] > 0 for r in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,6 +51,21 @@ def run_cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedP
     command = [str(script)] if script.exists() else [sys.executable, "-m", "dasktrain.cli"]
     return subprocess.run([*command, *args], capture_output=True,
                           text=True, timeout=timeout, env=env, **kwargs)
+
+
+def run_benchmark_quick(name: str, directory: Path, timeout: float
+                        ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run ``benchmarks/<name>.py --quick`` for real in a subprocess, as a reader of the
+    README would; returns the finished process (checked to have succeeded) and the ratio
+    rows it wrote."""
+    out = directory / f"{name}-ratios.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick",
+         "--ratios-json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-5000:]
+    return result, json.loads(out.read_text(encoding="utf-8"))
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:

@@ -195,7 +195,7 @@ def resolve_assignment(assignment: Any, mode: str, holder_shards: int) -> str:
     wherever it applies (every mode but ``sync``, one holder)."""
     if assignment not in ASSIGNMENTS:
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
-    claims = mode_class(mode).claims_work
+    claims = mode_class(mode).may_claim_work
     if assignment == "auto":
         return "dynamic" if claims and holder_shards == 1 else "static"
     if assignment == "dynamic" and not claims:

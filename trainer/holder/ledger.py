@@ -38,6 +38,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from dasktrain.pipeline.plan import run_pieces
+
 __all__ = ["CLAIM_BATCHES", "WorkLedger"]
 
 #: Most batches in one claim.
@@ -148,9 +150,8 @@ class WorkLedger:
             stop = start + int(taken[0])
         self._move(slice(start, stop), worker)
         if self.whole_runs:
-            step = piece or stop - start
-            for first in range(start, stop, step):
-                self._runs[(worker, min(first + step, stop) - 1)] = first
+            for part in run_pieces(range(start, stop), piece):
+                self._runs[(worker, part.stop - 1)] = part.start
         return range(start, stop)
 
     @_locked

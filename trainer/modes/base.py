@@ -144,13 +144,14 @@ class UpdateMode:
     lockstep: ClassVar[bool] = False
     """True when every worker steps through the same number of steps per epoch (those
     without a batch push nothing but their presence)."""
-    claims_work: ClassVar[bool] = True
+    may_claim_work: ClassVar[bool] = True
     """True when workers may claim their batches from the holder as they go
     (``assignment="dynamic"``, see :mod:`dasktrain.trainer.holder.ledger`): every mode but
     ``sync``, whose every step takes one batch of each worker."""
     pushes_runs: ClassVar[bool] = False
-    """True when a push of claimed work covers the whole run of batches its worker claimed
-    (``average``: the local steps between two averages), not one batch."""
+    """True when a push of claimed work covers a piece of the run its worker claimed
+    (``average``: the local steps between two averages; see :meth:`claim_size`), not one
+    batch."""
     gradient_fields: ClassVar[dict[str, Any]] = {}
     """Extra per-gradient record fields and their defaults (see :mod:`..records`)."""
     worker_step: ClassVar[type[WorkerStep]] = GradientStep

@@ -26,7 +26,7 @@ __all__ = ["SyncMode"]
 class SyncMode(RoundMode):
     name = "sync"
     lockstep = True
-    claims_work = False
+    may_claim_work = False
 
     async def push(self, contribution: Contribution) -> None:
         await self.enter_if_current(contribution, "gradient")

@@ -26,6 +26,7 @@ from distributed import get_client, get_worker, secede
 from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
 from dasktrain.pipeline import Pipeline
+from dasktrain.pipeline.plan import run_pieces
 from dasktrain.trainer.exchange.buckets import GradientReadiness
 from dasktrain.trainer.exchange.client import OutgoingPush
 from dasktrain.trainer.exchange.handle import HolderHandle
@@ -288,10 +289,10 @@ def _claim(handle: Handle, worker: int, epoch: int, run_ends: set[int],
         if run is None:
             return None
         if run:
-            piece = run[2] if len(run) > 2 else run[1] - run[0]
-            run_ends.update(range(run[0] + piece - 1, run[1] - 1, piece))
-            run_ends.add(run[1] - 1)
-            return range(run[0], run[1])
+            claimed = range(run[0], run[1])
+            pieces = run_pieces(claimed, run[2] if len(run) > 2 else None)
+            run_ends.update(part.stop - 1 for part in pieces)
+            return claimed
         # []: nothing free now, but what others hold may come back (a worker dies): ask again
     return None
 
