@@ -10,10 +10,11 @@ random resized crop to 64x64, horizontal flip, to float; batches of 128.
 2. dasktrain: the folder prepared once each way (``decoded``: uint8 96x96 pixels;
    ``encoded``: the JPEG bytes), then ``dt.Pipeline(ds, 128, transform=ImageTransform(
    RandomResizedCrop(64), RandomHorizontalFlip(), Normalize(0, 1)))`` with its default
-   settings, on a LocalCluster of 2 single-threaded worker processes; tuned beside it:
-   ``uint8`` batches from the workers, made floats in the loop by ``Normalize.module()``
-   as a model's first layer would on its device (its time is the loop's, not waiting),
-   and ``--prefetch N``.
+   settings (the workers send ``uint8``, the floats are made on the consumer's fetch
+   thread), on a LocalCluster of 2 single-threaded worker processes; beside it: the floats
+   made on the workers (``normalize_on="workers"``), ``uint8`` batches made floats in the
+   loop by ``Normalize.module()`` as a model's first layer would on its device (its time is
+   the loop's, not waiting), and ``--prefetch N``.
 
 Measured as a new user meets them: a fresh loader (or pipeline), its first epoch, the first
 batch included. Without a step: images/s. With a simulated 30 ms step per batch
@@ -165,15 +166,17 @@ def epoch(make: Callable[[], Iterable], step_s: float,
 TO_FLOAT = Normalize(mean=(0, 0, 0), std=(1, 1, 1))  # floats in [0, 1], as ToTensor's
 
 
-def augment(floats: bool = True) -> ImageTransform:
+def augment(floats: bool = True, normalize_on: str = "consumer") -> ImageTransform:
     """The same work as the baseline's: crop, flip, and (``floats``) floats in [0, 1]."""
     steps = (RandomResizedCrop(CROP, scale=SCALE, ratio=RATIO), RandomHorizontalFlip())
-    return ImageTransform(*steps, TO_FLOAT) if floats else ImageTransform(*steps)
+    return ImageTransform(*steps, TO_FLOAT, normalize_on=normalize_on) if floats \
+        else ImageTransform(*steps)
 
 
-def pipeline(ds: dt.Dataset, client: Client, floats: bool = True, **options: int
-             ) -> dt.Pipeline:
-    return dt.Pipeline(ds, BATCH, seed=0, transform=augment(floats), client=client, **options)
+def pipeline(ds: dt.Dataset, client: Client, floats: bool = True,
+             normalize_on: str = "consumer", **options: int) -> dt.Pipeline:
+    return dt.Pipeline(ds, BATCH, seed=0, transform=augment(floats, normalize_on),
+                       client=client, **options)
 
 
 def settle(client: Client, timeout: float = 60.0) -> None:
@@ -216,6 +219,8 @@ def main() -> None:
                 rates[storage] = args.images / (time.perf_counter() - started)
             to_float = TO_FLOAT.module()
             options = [("default settings", {}),
+                       ("floats made on the workers (normalize_on='workers')",
+                        {"normalize_on": "workers"}),
                        ("uint8 batches, floats by the model's first layer", {"floats": False})]
             if args.prefetch:
                 options.append((f"prefetch={args.prefetch}", {"prefetch": args.prefetch}))

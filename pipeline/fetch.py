@@ -16,6 +16,7 @@ from distributed.client import FutureCancelledError
 from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
 from dasktrain.pipeline.errors import PipelineError
+from dasktrain.pipeline.finish import Finish
 from dasktrain.pipeline.named import NamedBatch
 from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.tasks import BlockFailed, EpochContext, assemble_batches, load_window
@@ -81,15 +82,23 @@ def wait_for_unit(client: Client, future: Future, where: str, timeout: float
         raise PipelineError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _finished(batches: list[dict[str, np.ndarray]], device: torch.device,
+              finish: Finish | None) -> list[Tensors]:
+    tensors = [host_tensors(arrays, device) for arrays in batches]
+    return tensors if finish is None else [finish(t) for t in tensors]
+
+
 def fetch_unit(client: Client, future: Future, plan: EpochPlan, unit: Unit, timeout: float,
-               device: torch.device) -> list[Tensors]:
-    """Runs on a fetch thread: bring a unit's batches into this process as tensors, so that
-    the consumer finds them ready instead of paying a round trip per unit."""
-    return [host_tensors(arrays, device)
-            for arrays in wait_for_unit(client, future, unit_where(plan, unit), timeout)]
+               device: torch.device, finish: Finish | None = None) -> list[Tensors]:
+    """Runs on a fetch thread: bring a unit's batches into this process as tensors (and
+    ``finish`` them), so that the consumer finds them ready instead of paying a round trip
+    per unit."""
+    return _finished(wait_for_unit(client, future, unit_where(plan, unit), timeout), device,
+                     finish)
 
 
-def compute_here(context: EpochContext, unit: Unit, device: torch.device) -> list[Tensors]:
+def compute_here(context: EpochContext, unit: Unit, device: torch.device,
+                 finish: Finish | None = None) -> list[Tensors]:
     """A unit read, cut and turned into tensors on a read thread of this process
     (``placement="consumer"``): one thread hop from the read to the consumer."""
     try:
@@ -97,7 +106,7 @@ def compute_here(context: EpochContext, unit: Unit, device: torch.device) -> lis
                                    *[load_window(context, w) for w in unit.windows])
     except BlockFailed as exc:
         raise PipelineError(exc.args[0]) from exc.original
-    return [host_tensors(arrays, device) for arrays in batches]
+    return _finished(batches, device, finish)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,10 +119,15 @@ class Delivery:
     targets_name: str | None
     roles: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Each array's role, which dict batches carry (:class:`NamedBatch`)."""
+    finish: Finish | None = None
+    """The transform's last part, on the accelerator after the copy (on the CPU it runs on
+    the fetch thread instead: see :mod:`~dasktrain.pipeline.finish`)."""
 
     def __call__(self, tensors: Tensors) -> Batch:
         if self.device.type != "cpu":
             tensors = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
+            if self.finish is not None:
+                tensors = self.finish(tensors)
         if self.as_dict:
             return NamedBatch(tensors, self.roles)
         x = tensors[self.features_name]

@@ -216,9 +216,9 @@ class Normalize(ImageOp):
         # One float copy, then in place. kornia's normalize allocates two more copies of
         # the batch: 11 µs an image against 4.6.
         scale, shift = self._scale_shift()
-        out = torch.empty(images.shape, dtype=torch.float32)
+        out = torch.empty(images.shape, dtype=torch.float32, device=images.device)
         out.copy_(images)
-        return out.mul_(scale).add_(shift)
+        return out.mul_(scale.to(images.device)).add_(shift.to(images.device))
 
     def module(self) -> torch.nn.Module:
         """The same normalisation as a torch module, for ``uint8`` batches (n, channels,

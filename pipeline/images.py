@@ -17,6 +17,11 @@ decoded, cropped and resized before the next is decoded: memory holds one decode
 not a piece of them); :class:`Normalize`, which makes floats, runs last on the batch. The
 result is NCHW (``uint8``, or ``float32`` after :class:`Normalize`).
 
+In a :class:`~dasktrain.Pipeline`, :class:`Normalize` runs on the consumer by default
+(``normalize_on="consumer"``): the workers send ``uint8`` batches, a quarter of the bytes,
+and the floats are made on the fetch thread (or on the accelerator after the copy), as
+:mod:`dasktrain.pipeline.finish` explains; the batches are the same either way.
+
 Every random number is drawn from the generator the pipeline seeds per piece, before any
 image is touched (see :mod:`dasktrain.pipeline.image_ops`): epochs stay exactly
 reproducible and a resumed run gets the same images.
@@ -24,6 +29,7 @@ reproducible and a resumed run gets the same images.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -54,9 +60,18 @@ class ImageTransform:
         be of one size already (a decoded dataset is).
     image
         The name of the images' array.
+    normalize_on
+        Where a pipeline runs a last :class:`Normalize`: ``"consumer"`` (the default: the
+        workers send ``uint8``) or ``"workers"`` (they send ``float32``, four times the
+        bytes; for a consumer with no CPU time to spare). Called directly, the transform
+        always normalises.
     """
 
-    def __init__(self, *steps: ImageOp, image: str = "image") -> None:
+    def __init__(self, *steps: ImageOp, image: str = "image",
+                 normalize_on: str = "consumer") -> None:
+        if normalize_on not in ("consumer", "workers"):
+            raise ValueError(f"normalize_on must be 'consumer' or 'workers', got "
+                             f"{normalize_on!r}")
         for step in steps:
             if not isinstance(step, ImageOp):
                 raise TypeError(f"steps must be image steps (RandomResizedCrop, Resize, "
@@ -65,9 +80,20 @@ class ImageTransform:
             raise ValueError("Normalize makes floats of the pixels: give it last")
         self.steps = tuple(steps)
         self.image = image
+        self.normalize_on = normalize_on
 
     def __repr__(self) -> str:
-        return f"ImageTransform({', '.join(map(repr, self.steps))}, image={self.image!r})"
+        return (f"ImageTransform({', '.join(map(repr, self.steps))}, image={self.image!r}, "
+                f"normalize_on={self.normalize_on!r})")
+
+    def consumer_split(self) -> tuple[ImageTransform, _NormalizeBatch | None]:
+        """What the workers run and what the consumer runs after (see
+        :mod:`dasktrain.pipeline.finish`): a last :class:`Normalize` on the consumer."""
+        last = self.steps[-1] if self.steps else None
+        if self.normalize_on != "consumer" or not isinstance(last, Normalize):
+            return self, None
+        workers = ImageTransform(*self.steps[:-1], image=self.image, normalize_on="workers")
+        return workers, _NormalizeBatch(last, self.image)
 
     def __dask_tokenize__(self) -> Any:
         return ("ImageTransform", repr(self))
@@ -126,3 +152,15 @@ class ImageTransform:
             out[i] = image
         assert out is not None, "a piece holds rows"
         return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _NormalizeBatch:
+    """:class:`Normalize` of a batch's images where the batch arrives (a pipeline's
+    ``finish``): the same operation on the same ``uint8`` pixels as on a worker."""
+
+    normalize: Normalize
+    image: str
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**tensors, self.image: self.normalize.batch(tensors[self.image])}

@@ -32,6 +32,7 @@ from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.feeder import Feeder
 from dasktrain.pipeline.fetch import Batch, Delivery, Tensors, unit_where
+from dasktrain.pipeline.finish import split_transform
 from dasktrain.pipeline.named import check_pair_batches
 from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit
 from dasktrain.pipeline.stats import PipelineStats
@@ -172,6 +173,8 @@ class Pipeline:
         self.shuffle = shuffle
         self.seed = seed
         self.transform = transform
+        # The transform's element-wise tail (an image batch's floats) runs on this side
+        self._worker_transform, finish = split_transform(transform)
         self.prefetch = prefetch
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self.shuffle_blocks = shuffle_blocks
@@ -197,8 +200,11 @@ class Pipeline:
         # Looked up once: it runs for every batch.
         if not as_dict:
             check_pair_batches(self.dataset)
+        on_cpu = self.device.type == "cpu"
+        self._finish_here = finish if on_cpu else None
         self._deliver = Delivery(self.device, as_dict, self.dataset.features_name,
-                                 self.dataset.targets_name, self.dataset.roles)
+                                 self.dataset.targets_name, self.dataset.roles,
+                                 None if on_cpu else finish)
         names = tuple(self.dataset.array_names)
         self._ref = ArraysRef(names, tuple(self.dataset.zarr_array(n) for n in names))
         # Names this pipeline's tasks. Every rank must arrive at the same token (ranks share
@@ -301,9 +307,11 @@ class Pipeline:
         else:
             client = self.client
         return Submitter(placement=self.placement, token=self._token, rank=self.rank,
-                         world_size=self.world_size, ref=self._ref, transform=self.transform,
-                         device=self.device, timeout=self.timeout, client=client,
-                         kwargs=placement_kwargs(self.placement, client), local=self._local)
+                         world_size=self.world_size, ref=self._ref,
+                         transform=self._worker_transform, device=self.device,
+                         timeout=self.timeout, client=client,
+                         kwargs=placement_kwargs(self.placement, client), local=self._local,
+                         finish=self._finish_here)
 
     def _drop_ahead(self) -> None:
         """Forget work submitted for an epoch that will not come next."""

@@ -12,6 +12,7 @@ from distributed import Client, Future, get_worker
 
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.fetch import Tensors, compute_here, fetch_unit
+from dasktrain.pipeline.finish import Finish
 from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.tasks import (
     ArraysRef,
@@ -82,6 +83,9 @@ class Submitter:
     """From :func:`placement_kwargs`."""
     local: concurrent.futures.ThreadPoolExecutor | None = None
     """The read threads of ``placement="consumer"``."""
+    finish: Finish | None = None
+    """The transform's part left to this process, run where the batches arrive (on the CPU;
+    :class:`~dasktrain.pipeline.fetch.Delivery` runs it after the copy to an accelerator)."""
 
     def context(self, plan: EpochPlan) -> EpochContext:
         if self.placement == "consumer":
@@ -95,7 +99,7 @@ class Submitter:
         this epoch (a shared window is read by one task); it grows here."""
         if self.placement == "consumer":
             assert self.local is not None, "placement 'consumer' reads in local threads"
-            return self.local.submit(compute_here, context, unit, self.device)
+            return self.local.submit(compute_here, context, unit, self.device, self.finish)
         client = self.client
         assert client is not None, "a Dask placement submits through a client"
         epoch = plan.epoch
@@ -128,7 +132,7 @@ class Submitter:
         if self.placement == "consumer":
             return future
         return fetcher.submit(fetch_unit, self.client, future, plan, unit, self.timeout,
-                              self.device)
+                              self.device, self.finish)
 
 
 def forget_windows(windows: dict[int, Future], current: int) -> None:

@@ -165,6 +165,16 @@ def test_encoded_epochs_resume_exactly_and_see_every_image_once(client, prepared
     assert len(rest) == len(full) - 2
     for (a, ya), (b, yb) in zip(full[2:], rest, strict=True):
         assert torch.equal(a, b) and torch.equal(ya, yb)
+    # Normalize runs on the consumer by default: the workers send uint8 pixels, a quarter
+    # of the bytes, and the batches are the very ones normalising on the workers gives.
+    workers_part, finish = transform.consumer_split()
+    piece = workers_part({"image": ds.zarr_array("image")[:4]}, np.random.default_rng(0))
+    assert piece["image"].dtype == np.uint8 and finish is not None
+    on_workers = ImageTransform(*transform.steps, normalize_on="workers")
+    assert on_workers.consumer_split() == (on_workers, None)
+    with dt.Pipeline(ds, 4, seed=9, transform=on_workers, client=client) as pipe:
+        for (a, ya), (b, yb) in zip(full, pipe, strict=True):
+            assert torch.equal(a, b) and torch.equal(ya, yb)
 
 
 def _bad_folder(root: Path) -> list[Path]:
@@ -234,6 +244,8 @@ def test_pipeline_and_transform_refuse_what_cannot_work(client, prepared):
         dt.Pipeline(prepared["encoded"], 4, client=client)
     with pytest.raises(ValueError, match=r"Normalize makes floats.*last"):
         ImageTransform(Normalize(), RandomHorizontalFlip())
+    with pytest.raises(ValueError, match=r"normalize_on must be 'consumer' or 'workers'"):
+        ImageTransform(Normalize(), normalize_on="gpu")
     normalize = Normalize.of(prepared["decoded"])
     assert len(normalize.mean) == 3 and all(0 < m < 1 for m in normalize.mean)
     with pytest.raises(ValueError, match="kept for decoded images"):

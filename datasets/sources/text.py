@@ -19,7 +19,6 @@ bounded by a piece), then the write tasks read their rows' tokens from there.
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -215,8 +214,8 @@ class TextSource:
         chunks = tuple(min(chunk_rows, n - s) for s in range(0, n, chunk_rows))
         # Safe as a key: the scratch directory is the build's own, and what it holds a
         # pure function of the listed corpus (file versions), tokenizer and seq_len.
-        token = tokenize(self.provenance, [dataclasses.astuple(f) for f in self._files],
-                         self._pieces, self._scratch, chunk_rows)
+        token = tokenize(self.provenance, [f.row() for f in self._files], self._pieces,
+                         self._scratch, chunk_rows)
         return {name: da.map_blocks(
                     _block, reader, name, dtype=spec.dtype,
                     chunks=(chunks, (self.seq_len,)),

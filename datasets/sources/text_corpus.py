@@ -58,6 +58,11 @@ class CorpusFile:
     size: int
     mtime_ns: int
 
+    def row(self) -> tuple[str, str, int, int]:
+        """The fields as a tuple (``dataclasses.astuple`` deep-copies: 100 times slower on a
+        corpus of thousands of files)."""
+        return self.path, self.name, self.size, self.mtime_ns
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FilePart:
