@@ -10,8 +10,10 @@ Always, so that an optimizer's settings mean what they mean in ``sync``:
   the epoch, all fresh, is the step ``sync`` would take and gets the full rate (so ``soft``
   waiting for all N is ``sync``, and one worker alone trains as one process).
 * **Momentum is compensated** (``momentum_compensation=True``, the default): staleness acts
-  as momentum of its own, so the optimizer's momentum (Adam's first beta) is lowered by
-  the implicit momentum of the staleness seen (see :mod:`.momentum`).
+  as momentum of its own, μ = τ̄ / (1 + τ̄) for the mean staleness τ̄ seen. Under a heavy-ball
+  momentum (SGD, LARS) the optimizer's momentum is lowered by μ; under an averaging one
+  (Adam, AdamW, LAMB: its first beta) the step is scaled by 1 - μ instead, its beta kept
+  (see :mod:`.momentum`).
 
 Options:
 
@@ -42,7 +44,7 @@ import torch
 from dasktrain.trainer.holder.arithmetic import as_tensor
 from dasktrain.trainer.holder.divergence import all_finite
 from dasktrain.trainer.modes.base import Adjust, Adjusted, Contribution, Host, UpdateMode
-from dasktrain.trainer.modes.momentum import ImplicitMomentum, compensated
+from dasktrain.trainer.modes.momentum import ImplicitMomentum, compensated, step_factor
 
 __all__ = ["StaleGradientMode", "staleness_rule"]
 
@@ -107,6 +109,7 @@ class StaleGradientMode(UpdateMode):
                                 or type(self).fields is not StaleGradientMode.fields)
         self._momentum: float | None = None  # the optimizer's own, when compensated
         self._implicit: ImplicitMomentum | None = None
+        self._through_step = False  # compensated by the step's size (averaging momentum)
         self.adjuster: Adjust | None = None  # what to pass as apply's adjust
         if host is None:
             return
@@ -114,6 +117,7 @@ class StaleGradientMode(UpdateMode):
         if momentum_compensation and own:
             self._momentum = own
             self._implicit = ImplicitMomentum(self.expected_staleness())
+            self._through_step = host.optimizer.first_moment_is_average
         shares = host.batch_size is not None and host.workers > 1
         # Without anything to change, an update is the host's plain one: no per-push work
         # on the hot path.
@@ -172,17 +176,22 @@ class StaleGradientMode(UpdateMode):
             return 1.0
         return sum(c.count for c in contributions) / (host.workers * host.batch_size)
 
-    def first_moment(self, contributions: list[Contribution], total: float) -> float | None:
-        """The optimizer's momentum for an update of ``contributions`` (``total``
-        samples): the configured one less the implicit momentum of the staleness seen so
-        far, this update's included (see :mod:`.momentum`); None when not compensated."""
+    def compensation(self, contributions: list[Contribution], total: float
+                     ) -> tuple[float | None, float]:
+        """``(momentum, factor on the learning rate)`` of an update of ``contributions``
+        (``total`` samples), from the implicit momentum μ of the staleness seen so far,
+        this update's included (see :mod:`.momentum`): a heavy-ball momentum lowered by μ,
+        or an averaging one kept and the step scaled by 1 - μ; ``(None, 1)`` when not
+        compensated."""
         if self._implicit is None:
-            return None
+            return None, 1.0
         version = self.host.version
         staleness = sum(c.count * (version - c.version) for c in contributions) / total \
             if total else 0.0
         self._implicit.observe(staleness)
-        return compensated(self._momentum, self._implicit.value)
+        if self._through_step:
+            return None, step_factor(self._implicit.value)
+        return compensated(self._momentum, self._implicit.value), 1.0
 
     def adjust(self, contributions: list[Contribution]) -> Adjusted:
         """This update's learning-rate share, momentum, staleness scaling and delay
@@ -190,8 +199,8 @@ class StaleGradientMode(UpdateMode):
         host = self.host
         counts = [float(c.count) for c in contributions]
         total = sum(counts)
-        first_moment = self.first_moment(contributions, total)
-        lr_scale = self.sample_share(contributions)
+        first_moment, factor = self.compensation(contributions, total)
+        lr_scale = self.sample_share(contributions) * factor
         if not self._records_fields:
             return Adjusted(lr_scale=lr_scale, first_moment=first_moment)
         scales = [1.0] * len(contributions)

@@ -14,14 +14,23 @@ which ``sync`` trains well diverges.
 
 The holder knows the staleness of every gradient it applies, so it estimates μ from what it
 sees (a running mean of the updates' staleness, starting from the mode's expectation) and
-runs the optimizer's running mean of gradients (SGD's and LARS's momentum, the first beta
-of Adam, AdamW and LAMB) at
+compensates it in the form the optimizer's momentum takes:
 
-    m' = max(0, m - μ)
+* a heavy ball (SGD's and LARS's ``buffer = m x buffer + g``, a step of ``lr / (1 - m)`` in
+  the steady state) runs at
 
-so that explicit and implicit momentum together stay at what was asked for. A run with
-fresh gradients only (``soft`` waiting for every worker, one worker left) sees μ = 0 and
-keeps m exactly.
+      m' = max(0, m - μ)
+
+  so that explicit and implicit momentum together stay at what was asked for;
+* an average (the first beta of Adam, AdamW and LAMB: ``(1 - β) x g`` per step, so the
+  step's size does not grow with β, and lowering β would only make the direction noisier)
+  keeps its β, and the step is scaled by ``1 - μ``: the factor by which momentum μ
+  lengthens the steps it sums. On W3 under Adam with 3 workers (one 3x slower) ``async``
+  then reaches the target loss with 16 k samples, against 43 k with β lowered to 0.23 and
+  26.5 k for ``sync``.
+
+A run with fresh gradients only (``soft`` waiting for every worker, one worker left) sees
+μ = 0 and keeps m and the step exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["DECAY", "ImplicitMomentum", "compensated", "implicit_momentum"]
+__all__ = ["DECAY", "ImplicitMomentum", "compensated", "implicit_momentum", "step_factor"]
 
 DECAY = 0.95
 """Weight of the past in the running mean of staleness, per update: it follows a change of
@@ -48,6 +57,12 @@ def compensated(momentum: float, implicit: float) -> float:
     """The optimizer momentum that, with ``implicit`` momentum from asynchrony, adds up to
     ``momentum``: ``max(0, momentum - implicit)``."""
     return max(0.0, momentum - implicit)
+
+
+def step_factor(implicit: float) -> float:
+    """The factor on the step that undoes the lengthening of momentum ``implicit``:
+    ``1 - implicit`` (an averaging momentum's compensation)."""
+    return 1.0 - implicit
 
 
 class ImplicitMomentum:

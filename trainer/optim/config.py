@@ -186,6 +186,14 @@ class OptimizerConfig:
         return None if value is None else float(value)
 
     @property
+    def first_moment_is_average(self) -> bool:
+        """Whether the running mean of gradients is an average (Adam's, AdamW's and LAMB's
+        ``(1 - beta) x g`` per step: the step's size does not grow with the decay) rather
+        than a heavy ball (SGD's and LARS's ``buffer = momentum x buffer + g``: a step of
+        ``lr / (1 - momentum)`` in the steady state)."""
+        return self._kind.first_moment == "betas"
+
+    @property
     def _kind(self) -> Any:
         from dasktrain.trainer.optim.registry import optimizer_kind
 
