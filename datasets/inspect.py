@@ -63,6 +63,16 @@ def _images_line(images: dict[str, Any], classes: list[str] | None) -> str:
     return f"images    {how}"
 
 
+def _text_line(text: dict[str, Any]) -> str:
+    """``text      byte tokenizer (257 ids), 31,513,843 tokens of 1,786 documents...``."""
+    tokenizer = text["tokenizer"]
+    kind = ("byte tokenizer" if tokenizer.get("kind") == "bytes" else
+            f"tokenizer.json {tokenizer.get('path', '')}".rstrip())
+    return (f"text      {kind} ({tokenizer['vocab_size']:,} ids), {text['tokens']:,} tokens "
+            f"of {text['documents']:,} documents in rows of {text['seq_len']:,}: "
+            f"{text['input']} inputs, {text['target']} next-token targets")
+
+
 def _normalized(attrs: dict[str, Any], array: str, norm: dict[str, Any]) -> str:
     constant = constant_summary(attrs, array)
     return f"{array} (fitted on {norm['fitted_on']})" + (f"; {constant}" if constant else "")
@@ -99,6 +109,9 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     if attrs.get("images"):
         lines.append(_images_line(attrs["images"],
                                   (attrs.get("labels") or {}).get(ds.targets_name or "")))
+    text = attrs.get("text")
+    if text:
+        lines.append(_text_line(text))
     splits = ds.splits
     lines.append("splits    " + (", ".join(f"{k}={b - a:,} [{a:,}:{b:,})"
                                          for k, (a, b) in splits.items()) or "none"))
@@ -114,7 +127,8 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
         text = (f"  {name}: mean {mean.mean():.4g} (avg over {mean.size}), "
                 f"std {std.mean():.4g}, min {np.min(stat['min']):.4g}, "
                 f"max {np.max(stat['max']):.4g}")
-        if "class_counts" in stat:
+        # Token ids are no classes: the vocabulary is on the text line.
+        if "class_counts" in stat and ds.attrs.get("text") is None:
             text += f", {stat['num_classes']} classes"
         lines.append(text)
     prov = attrs["provenance"]

@@ -94,6 +94,14 @@ def test_byte_tokens_round_trip_documents_joined_by_end_of_text(client, corpus, 
     # What the rows hold is all of it but the dropped tail (a character cut there shows
     # as U+FFFD).
     assert (EOT.join(docs) + EOT).startswith(tokenizer.decode(got).rstrip("\ufffd"))
+    # Its summary speaks of tokens, not of 257 "classes".
+    summary = dt.describe(ds)
+    assert (f"text      byte tokenizer (257 ids), {len(want):,} tokens of 3 documents in "
+            "rows of 16: x inputs, y next-token targets") in summary
+    assert "classes" not in summary
+    # The statistics of the tokens are exact (integer sums): the mean of x is theirs.
+    assert ds.attrs["stats"]["x"]["mean"] == pytest.approx(
+        ds.x.compute().astype(np.float64).mean(axis=0).tolist(), rel=1e-12)
 
 
 def test_patterns_choose_files_and_leave_some_out(client, corpus, tmp_path):
