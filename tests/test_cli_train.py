@@ -272,6 +272,13 @@ def test_help_and_the_example_document_every_key(digits, tmp_path, capsys):
     config = load_train_config(tmp_path / "examples" / "digits.toml", progress=False)
     assert config.run_dir == (tmp_path / "runs" / "digits").resolve()
     assert config.trainer.model(torch.zeros(3, 64)).shape == (3, 10)
+    # A dataset of several named arrays trains from a config too: model(**inputs).
+    text = (tmp_path / "examples" / "digits.toml").read_text()
+    (tmp_path / "examples" / "named.toml").write_text(
+        text.replace("# as_dict = false", "as_dict = true"))
+    named = load_train_config(tmp_path / "examples" / "named.toml", progress=False)
+    assert named.trainer.pipeline_options["as_dict"] is True
+    assert named.resolved["trainer"]["as_dict"] is True
 
 
 def test_resolved_toml_round_trips():

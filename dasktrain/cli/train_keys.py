@@ -37,7 +37,6 @@ ELSEWHERE = {
     "mode_options": "write the mode's options as keys of [trainer]",
     "transform": "a function: use the Python API (dt.Trainer)",
     "step": "a function: use the Python API (dt.Trainer)",
-    "as_dict": "goes with a custom step: use the Python API (dt.Trainer)",
 }
 
 _DOCS: dict[str, dict[str, str]] = {
@@ -91,6 +90,7 @@ _DOCS: dict[str, dict[str, str]] = {
         "shuffle_blocks": "blocks whose rows are shuffled together",
         "block_rows": "rows per read block (default: the dataset's chunk rows)",
         "drop_last": "drop the last incomplete global batch",
+        "as_dict": "batches by array name, model(**inputs): a dataset of several arrays",
         "device": "device of the replicas (default: CUDA where a worker has one)",
         "holder_worker": "address of the worker holding the parameters (default: most "
                          "memory)",
