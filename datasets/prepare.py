@@ -108,13 +108,18 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_s
     scan = getattr(src, "scan", None)
     if scan is not None:  # a pass before the rows are known (a text corpus: its tokens)
         scan(client, progress)
-    arrays = src.to_dask(chunk_rows)
-    chunk_rows = min(chunk_rows, src.num_samples)
     names = list(specs)
-    lengths = list(arrays[names[0]].chunks[0])
-    starts = list(np.cumsum((0, *lengths[:-1])).tolist())
     reader = src.block_reader()
-    blocks = [] if reader is not None else [arrays[name].to_delayed().ravel() for name in names]
+    if reader is not None:  # the tasks read their rows themselves: no Dask arrays to build
+        n = src.num_samples
+        lengths = [min(chunk_rows, n - s) for s in range(0, n, chunk_rows)]
+        blocks = []
+    else:
+        arrays = src.to_dask(chunk_rows)
+        lengths = list(arrays[names[0]].chunks[0])
+        blocks = [arrays[name].to_delayed().ravel() for name in names]
+    chunk_rows = min(chunk_rows, src.num_samples)
+    starts = list(np.cumsum((0, *lengths[:-1])).tolist())
     plan = (SplitPlan.make(config.split, src.num_samples, config.seed) if config.split
             else None)
 
