@@ -107,7 +107,8 @@ def write_file_index(scratch: str, files: list[CorpusFile]) -> np.ndarray:
     carrying the list."""
     starts = np.concatenate([[0], np.cumsum([f.size + 1 for f in files], dtype=np.int64)])
     with open(os.path.join(scratch, "files.json"), "w", encoding="utf-8") as out:
-        json.dump([f.row() for f in files], out)
+        # One write: json.dump writes each token of the document (tens of thousands here)
+        out.write(json.dumps([f.row() for f in files]))
     np.save(os.path.join(scratch, "starts.npy"), starts)
     return starts
 
