@@ -48,6 +48,10 @@ _LAZY = {
     "TrainerError": "dasktrain.trainer",
     "TrainingDiverged": "dasktrain.trainer",
     "WorkersPaused": "dasktrain.trainer",
+    "EvolutionError": "dasktrain.evolve",
+    "EvolutionHistory": "dasktrain.evolve",
+    "Evolver": "dasktrain.evolve",
+    "InvalidFitness": "dasktrain.evolve",
 }
 
 
@@ -56,6 +60,8 @@ def __getattr__(name: str) -> Any:
         return import_module("dasktrain.trainer.optim")
     if name == "images":  # dt.images.ImageTransform(...): decoding and augmentation
         return import_module("dasktrain.pipeline.images")
+    if name == "evolve":  # dt.evolve.es(...), dt.evolve.ga(...): gradient-free training
+        return import_module("dasktrain.evolve")
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dasktrain' has no attribute {name!r}")
@@ -73,8 +79,12 @@ __all__ = [
     "DatasetError",
     "EarlyStopping",
     "EpochPlan",
+    "EvolutionError",
+    "EvolutionHistory",
+    "Evolver",
     "History",
     "HolderLost",
+    "InvalidFitness",
     "InvalidLoss",
     "JsonLinesLogger",
     "LiveView",
@@ -96,6 +106,7 @@ __all__ = [
     "__version__",
     "compare",
     "describe",
+    "evolve",
     "get_client",
     "images",
     "load_tokenizer",

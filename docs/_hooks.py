@@ -1,9 +1,9 @@
 """MkDocs hook: lay out the package as it installs, for the API reference.
 
-The components live at the repository root (``datasets/``, ``pipeline/``, ``trainer/``) and
-install as ``dasktrain.*`` through setuptools' package-dir mapping, which static analysis does
-not follow. Before the pages are read, a tree of links under ``build/docs-src`` shows them
-where Python sees them.
+The components live at the repository root (``datasets/``, ``pipeline/``, ``trainer/``,
+``evolve/``) and install as ``dasktrain.*`` through setuptools' package-dir mapping, which
+static analysis does not follow. Before the pages are read, a tree of links under
+``build/docs-src`` shows them where Python sees them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-COMPONENTS = ("datasets", "pipeline", "trainer")
+COMPONENTS = ("datasets", "pipeline", "trainer", "evolve")
 
 
 def lay_out(root: Path) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Source folder -> installed package (setuptools' package-dir mapping).
 FOLDERS = {"dasktrain": "dasktrain", "datasets": "dasktrain.datasets",
-           "pipeline": "dasktrain.pipeline", "trainer": "dasktrain.trainer"}
+           "pipeline": "dasktrain.pipeline", "trainer": "dasktrain.trainer",
+           "evolve": "dasktrain.evolve"}
 GROUND = ("dasktrain._cluster", "dasktrain._deadline", "dasktrain._durable",
           "dasktrain._progress", "dasktrain._malloc", "dasktrain._embedded_worker",
           "dasktrain.errors")
@@ -97,10 +98,14 @@ def test_dependencies_point_one_way():
 
     assert users("dasktrain.datasets", ("dasktrain.pipeline", "dasktrain.trainer")) == []
     assert users("dasktrain.pipeline", ("dasktrain.trainer",)) == []
+    # Gradient-free training builds on the other parts; none of them needs it.
+    for part in ("dasktrain.datasets", "dasktrain.pipeline", "dasktrain.trainer"):
+        assert users(part, ("dasktrain.evolve",)) == []
     for ground in GROUND:
         parts = [d for d in GRAPH[ground]
                  if d.startswith(("dasktrain.datasets", "dasktrain.pipeline",
-                                  "dasktrain.trainer", "dasktrain.cli"))]
+                                  "dasktrain.trainer", "dasktrain.evolve",
+                                  "dasktrain.cli"))]
         assert parts == [], f"{ground} is ground and imports {parts}"
 
 

@@ -68,7 +68,8 @@ def test_every_error_has_the_common_base_and_keeps_its_older_one():
     for error, older in ((dt.DatasetError, ValueError), (dt.SourceError, ValueError),
                          (dt.PipelineError, RuntimeError), (dt.TrainerError, RuntimeError),
                          (dt.TrainingDiverged, RuntimeError), (dt.HolderLost, RuntimeError),
-                         (dt.WorkersPaused, RuntimeError), (ConfigError, ValueError)):
+                         (dt.WorkersPaused, RuntimeError), (ConfigError, ValueError),
+                         (dt.EvolutionError, RuntimeError), (dt.InvalidFitness, ValueError)):
         assert issubclass(error, dt.DasktrainError) and issubclass(error, older), error
     # A real one, raised by the library and caught by the base.
     with pytest.raises(dt.DasktrainError, match="no dataset at"):

@@ -100,3 +100,19 @@ def test_images_example_prepares_both_ways_trains_two_modes_and_draws_a_grid(cli
     assert [line.split()[0] for line in modes] == ["sync", "async"], out
     assert "4 classes: circle, cross, square, triangle" in out
     assert (tmp_path / "images" / "augmented.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_evolve_example_runs_both_tasks_and_draws_their_fitness(client, tmp_path):
+    out = _run_example("evolve.py", "--out", str(tmp_path / "runs"), "--data",
+                       str(tmp_path / "data"), "--population", "8",
+                       "--cartpole-generations", "2", "--digits-generations", "2",
+                       "--episodes", "2", "--max-steps", "50",
+                       "--scheduler", client.scheduler.address, cwd=tmp_path).stdout
+    lines = out.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("generation")] == [
+        "generation   0", "generation   1"], out
+    assert any(line.startswith("CartPole not solved (mean return") for line in lines), out
+    assert any(line.startswith("digits: validation accuracy") for line in lines), out
+    for name in ("cartpole.png", "digits.png"):
+        assert (tmp_path / "runs" / name).stat().st_size > 10_000

@@ -24,7 +24,8 @@ def test_wheel_installs_and_imports_outside_the_repo(tmp_path):
     # pyproject's list would install without it).
     for folder, installed in (("dasktrain", "dasktrain"), ("datasets", "dasktrain/datasets"),
                               ("pipeline", "dasktrain/pipeline"),
-                              ("trainer", "dasktrain/trainer")):
+                              ("trainer", "dasktrain/trainer"),
+                              ("evolve", "dasktrain/evolve")):
         for source in (REPO / folder).rglob("*.py"):
             if "__pycache__" not in source.parts:
                 module = f"{installed}/{source.relative_to(REPO / folder).as_posix()}"

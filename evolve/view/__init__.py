@@ -1,0 +1,1 @@
+"""What a person sees of an evolution run: its history and figures."""
