@@ -1,4 +1,5 @@
-"""W4, whole training runs: samples/s of a steady ``sync`` epoch against PyTorch DDP.
+"""W4, whole training runs: samples/s of a steady ``sync`` epoch against PyTorch DDP, on one
+host and across two.
 
 What a user compares. MLPs 32 -> W -> W -> W -> 1 (ReLU) for W = 512 (542,721 parameters,
 2.2 MB) and W = 1024 (2,134,017, 8.5 MB), the same initial weights on both sides, MSE loss,
@@ -16,6 +17,19 @@ SGD lr 0.01, on ``regression`` data (100,000 x 32 float32, prepared once with
   of the rows, shared by both ranks, cut into global batches of 512, of which each rank
   takes its half; an epoch is timed from a barrier to the slower rank's last step.
 
+Across two hosts (``--hosts two``; by default both settings run, one after the other in
+each repeat): the same two sides with the second process on another host. The hosts are two
+Linux network namespaces of this machine (``dasktrain/_hosts.py``), each with its own
+address from 192.0.2.0/24, hostname and loopback, joined by a bridge. dasktrain runs on a
+Dask cluster of one single-threaded worker process per host, the scheduler and the fit's
+driver on the first host: the trainer worker in the holder's process calls it in place, as
+on one host, and the other reaches it over TCP instead of memory shared with it. DDP runs
+rank 0 on the first host and rank 1 on the second, gloo bound to each host's address
+(``GLOO_SOCKET_IFNAME``), in new processes each run as on one host. Where namespaces
+cannot be made (not Linux, not root), this setting is measured on one host with
+``shared_memory=False`` (the worker's bytes then go over the channel's local socket)
+against DDP on one host, and the report says so.
+
 The first epoch of each side warms up (process start, imports, first connections) and is
 not counted: the figure of a repeat is the median samples/s of its later epochs, and the
 table gives the median over ``--repeats``. Once, at the first size, both sides' models
@@ -23,20 +37,24 @@ after their first epoch are evaluated on the same 4,096 rows, to show that the t
 the same thing (the losses differ a little: the two draw their batches in different
 orders).
 
-Run: ``.venv/bin/python benchmarks/e2e.py`` (``--hidden 512 1024 --epochs 3 --repeats
-3``; ``--quick``: the small model, 20,000 rows, 2 epochs, once). ``dasktrain bench`` runs it
-among the others.
+Run: ``.venv/bin/python benchmarks/e2e.py`` (``--hidden 512 1024 --epochs 3 --repeats 3
+--hosts one two``; ``--quick``: the small model, 20,000 rows, 2 epochs, once).
+``dasktrain bench`` runs it among the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import datetime
 import functools
 import os
 import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +69,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD
+from dasktrain._host_cluster import HostCluster, connect
+from dasktrain._hosts import INTERFACE, Hosts, HostsUnavailable
+from dasktrain._remote import Remote
 from dasktrain.cli.bench import (
     Ratio,
     baseline_environment,
@@ -62,9 +83,14 @@ from dasktrain.cli.bench import (
 FEATURES, WORKERS, BATCH, LR = 32, 2, 256, 0.01
 PROBE_ROWS = 4096
 # shared/benchmarks.md, W4: samples/s of a steady epoch, as a ratio to DDP's.
-GOAL = "≥ 1.1x"
+GOALS = {"one": "≥ 1.25x", "two": "≥ 1.1x"}
 WHOLE = 1 << 62  # bucket_bytes larger than any model: one bucket, ready when backward ends
 QUICK = {"hidden": [512], "rows": 20_000, "epochs": 2, "repeats": 1}
+RUN_TIMEOUT = 1800.0  # seconds one run of either side may take
+GLOO_PORT = 29500  # the first run's across hosts: the first host's namespace is fresh
+
+Rates = list[float]
+State = dict[str, torch.Tensor]
 
 
 def mlp(width: int) -> torch.nn.Module:
@@ -91,8 +117,8 @@ def _steady(rates: list[float]) -> float:
 
 
 # -- dasktrain ---------------------------------------------------------------------------
-def dasktrain_run(client: Client, data: dt.Dataset, width: int, epochs: int,
-                  **options: Any) -> tuple[list[float], dict[str, Any], dict[str, torch.Tensor]]:
+def dasktrain_run(client: Client, data: dt.Dataset | str, width: int, epochs: int,
+                  **options: Any) -> tuple[Rates, dict[str, Any], State]:
     """Fit ``epochs`` epochs in ``sync`` mode: samples/s per epoch, the last epoch's record
     and the parameters after the first epoch."""
     after_first: dict[str, torch.Tensor] = {}
@@ -110,11 +136,30 @@ def dasktrain_run(client: Client, data: dt.Dataset, width: int, epochs: int,
     return [e["samples_per_s"] for e in history.epochs], history.epochs[-1], after_first
 
 
+def _dasktrain_on_hosts(address: str, path: str, width: int, epochs: int,
+                        options: dict[str, Any]) -> tuple[Rates, dict[str, Any], State]:
+    """:func:`dasktrain_run` on the cluster across hosts, run by the driver on its first
+    host (the cluster's addresses are there)."""
+    client = connect(address, WORKERS, timeout=120)
+    return dasktrain_run(client, path, width, epochs, **options)
+
+
 # -- DDP ---------------------------------------------------------------------------------
-def _ddp_process(rank: int, port: int, path: str, width: int, epochs: int, out) -> None:
+# The DDP models of this process, kept until it ends, which frees nothing (os._exit, or
+# SIGKILL): freeing a model frees its gloo process group, whose destructor waits for gloo's
+# threads while holding the GIL, and a gloo thread still freeing the last collective's
+# tensors waits for the GIL (a deadlock, met once in a dozen runs on a busy machine).
+_KEPT: list[Any] = []
+
+
+def _ddp_train(rank: int, init_method: str, path: str, width: int, epochs: int
+               ) -> tuple[Rates, dict[str, np.ndarray] | None]:
+    """One DDP rank's run: samples/s per epoch and (rank 0) the parameters after the first
+    epoch."""
     torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                  world_size=WORKERS)
+    torch_dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                  world_size=WORKERS,
+                                  timeout=datetime.timedelta(seconds=RUN_TIMEOUT))
     x, y = _arrays(path)
     rows = len(x)
     model = DistributedDataParallel(mlp(width))
@@ -138,19 +183,26 @@ def _ddp_process(rank: int, port: int, path: str, width: int, epochs: int, out) 
         wall = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         torch_dist.all_reduce(wall, op=torch_dist.ReduceOp.MAX)  # the slower rank's
         rates.append(rows / wall.item())
-        if epoch == 0:
+        if epoch == 0 and rank == 0:
             # As numpy: a tensor would travel as shared memory this process frees at exit.
             after_first = {k: v.detach().numpy().copy()
                            for k, v in model.module.state_dict().items()}
-    torch_dist.destroy_process_group()
+    _KEPT.append(model)  # see _KEPT
+    return rates, after_first
+
+
+def _ddp_process(rank: int, port: int, path: str, width: int, epochs: int, out) -> None:
+    rates, after_first = _ddp_train(rank, f"tcp://127.0.0.1:{port}", path, width, epochs)
     if rank == 0:
         out.put((rates, after_first))
+    out.close()
+    out.join_thread()  # the result is in the pipe: now end, freeing nothing (see _KEPT)
+    os._exit(0)
 
 
-def ddp_run(path: str, width: int, epochs: int
-            ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train with DDP over gloo in 2 spawned processes: samples/s per epoch and the
-    parameters after the first epoch."""
+def ddp_run(path: str, width: int, epochs: int) -> tuple[Rates, State]:
+    """Train with DDP over gloo in 2 spawned processes on 127.0.0.1: samples/s per epoch
+    and the parameters after the first epoch."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -162,7 +214,7 @@ def ddp_run(path: str, width: int, epochs: int
         for p in procs:
             p.start()
     try:
-        rates, after_first = out.get(timeout=1800)
+        rates, after_first = out.get(timeout=RUN_TIMEOUT)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -171,6 +223,105 @@ def ddp_run(path: str, width: int, epochs: int
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"a DDP process failed: exit codes {[p.exitcode for p in procs]}")
     return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}
+
+
+# -- across two hosts --------------------------------------------------------------------
+_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# gloo binds to the host's address (by default to what the hostname resolves to, which a
+# namespace's hostname does not); c10d's warnings that the peers' addresses have no names
+# are left out.
+_RANK_ENVIRONMENT = {**_ONE_THREAD, "GLOO_SOCKET_IFNAME": INTERFACE,
+                     "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+class TwoHosts:
+    """Two hosts (network namespaces), a Dask cluster of one worker process on each and the
+    fit's driver on the first; DDP's ranks start on each for each run. All gone at
+    :meth:`close`."""
+
+    def __init__(self, directory: str) -> None:
+        self._stack = contextlib.ExitStack()
+        self._runs = 0
+        try:
+            self.hosts = self._stack.enter_context(Hosts(2))
+            self.cluster = self._stack.enter_context(
+                HostCluster(self.hosts, [1, 1], directory=directory))
+            # Started as a user's own process would be (see baseline_environment): the
+            # driver here is a plain process, as the benchmark's own is on one host.
+            with baseline_environment():
+                self.driver = self._stack.enter_context(
+                    Remote(self.hosts, self.hosts[0], environment=_ONE_THREAD))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def dasktrain(self, path: str, width: int, epochs: int, **options: Any
+                  ) -> tuple[Rates, dict[str, Any], State]:
+        return self.driver.call(_dasktrain_on_hosts, self.cluster.scheduler_address, path,
+                                width, epochs, options, timeout=RUN_TIMEOUT)
+
+    def ddp(self, path: str, width: int, epochs: int) -> tuple[Rates, State]:
+        """DDP with a rank on each host, in new processes (as on one host), which are
+        killed once they answered (see _KEPT)."""
+        # A port of its own per run: the last run's may still be closing.
+        init = f"tcp://{self.hosts[0].address}:{GLOO_PORT + self._runs}"
+        self._runs += 1
+        ranks = []
+        try:
+            with baseline_environment():
+                for host in self.hosts:
+                    ranks.append(Remote(self.hosts, host, environment=_RANK_ENVIRONMENT))
+            for rank, remote in enumerate(ranks):
+                remote.submit(_ddp_train, rank, init, path, width, epochs)
+            (rates, after_first), _ = (remote.result(RUN_TIMEOUT) for remote in ranks)
+        finally:
+            for remote in ranks:
+                remote.close(kill=True)
+        return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Where the two sides run."""
+
+    key: str  # "one" or "two" (--hosts)
+    name: str  # for the tables
+    baseline: str  # what DDP's figure is
+    ours: Callable[..., tuple[Rates, dict[str, Any], State]]  # (width, **options)
+    theirs: Callable[[int], tuple[Rates, State]]  # (width)
+
+
+def settings(args: argparse.Namespace, client: Client, data: dt.Dataset, path: str,
+             stack: contextlib.ExitStack) -> tuple[list[Setting], str | None]:
+    """The settings ``--hosts`` asks for, and a note where across hosts runs on one."""
+    found, note = [], None
+    epochs = args.epochs
+    if "one" in args.hosts:
+        found.append(Setting(
+            "one", "one host", "DDP over gloo, data in memory",
+            lambda width, **options: dasktrain_run(client, data, width, epochs, **options),
+            lambda width: ddp_run(path, width, epochs)))
+    if "two" in args.hosts:
+        try:
+            two = TwoHosts(str(Path(path).parent / "hosts"))
+        except HostsUnavailable as exc:
+            note = (f"no second host here ({exc}): the cross-host setting ran on one host "
+                    "with shared_memory=False, the path a worker on another host takes")
+            found.append(Setting(
+                "two", "one host, shared_memory=False", "DDP over gloo, data in memory",
+                lambda width, **options: dasktrain_run(client, data, width, epochs,
+                                                       shared_memory=False, **options),
+                lambda width: ddp_run(path, width, epochs)))
+        else:
+            stack.callback(two.close)
+            found.append(Setting(
+                "two", "across 2 hosts", "DDP over gloo across 2 hosts, data in memory",
+                lambda width, **options: two.dasktrain(path, width, epochs, **options),
+                lambda width: two.ddp(path, width, epochs)))
+    return found, note
 
 
 def probe_loss(width: int, state: dict[str, torch.Tensor] | None, x: torch.Tensor,
@@ -192,6 +343,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3,
                         help="epochs per run, the first one a warm-up (default 3)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hosts", nargs="+", choices=["one", "two"], default=["one", "two"],
+                        help="on one host, across two (network namespaces of this machine; "
+                             "where there are none, shared_memory=False on one host), or "
+                             "both (default)")
     parser.add_argument("--whole-gradient", action="store_true",
                         help="also run dasktrain with the gradient sent in one piece after "
                              "backward (bucket_bytes larger than the model): what the "
@@ -207,6 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rows % (BATCH * WORKERS) == 1:
         parser.error("--rows leaves a last global batch of 1 row, which one of the DDP "
                      "ranks could not share")
+    args.hosts = sorted(set(args.hosts), key=["one", "two"].index)
     return args
 
 
@@ -216,74 +372,117 @@ def _describe(width: int) -> tuple[str, int]:
             f"{parameters * 4 / 1e6:.1f} MB)"), parameters
 
 
-def ratios(rows: list[tuple]) -> list[Ratio]:
-    """The summary rows: per model, our steady samples/s against DDP's."""
-    return [Ratio(workload=f"W4 whole run, MLP {parameters / 1e6:.2f} M parameters, sync, "
-                           f"2 workers (samples/s)",
-                  ours=f"{a:,.0f}", baseline=f"{b:,.0f} (DDP over gloo, data in memory)",
-                  ratio=ratio_of(a, b), goal=GOAL)
-            for _, parameters, a, b, _ in rows]
+@dataclasses.dataclass
+class Row:
+    """One model in one setting: the medians of its repeats."""
+
+    label: str
+    parameters: int
+    setting: Setting
+    ours: float
+    theirs: float
+    last: dict[str, Any]  # dasktrain's last epoch of the last repeat
+    one_piece: float | None  # with --whole-gradient
+
+
+def ratios(rows: list[Row]) -> list[Ratio]:
+    """The summary rows: per model and setting, our steady samples/s against DDP's."""
+    return [Ratio(workload=f"W4 whole run, MLP {row.parameters / 1e6:.2f} M parameters, sync, "
+                           f"2 workers, {row.setting.name} (samples/s)",
+                  ours=f"{row.ours:,.0f}", baseline=f"{row.theirs:,.0f} ({row.setting.baseline})",
+                  ratio=ratio_of(row.ours, row.theirs), goal=GOALS[row.setting.key])
+            for row in rows]
+
+
+def _exchange(last: dict[str, Any]) -> str:
+    """How dasktrain's workers reached the holder in an epoch, e.g. ``local x1, direct x1
+    (tcp)``."""
+    via = ", ".join(f"{k} x{v}" for k, v in sorted(last["exchange_via"].items()))
+    transports = sorted({w["transport"] for w in last["per_worker"] if w["transport"]})
+    return f"{via} ({', '.join(transports)})" if transports else via
+
+
+def measure(width: int, setting: Setting, args: argparse.Namespace, repeat: int,
+            results: dict[str, list]) -> tuple[dict[str, Any], State, State]:
+    """One repeat of both sides in ``setting``: figures into ``results``; dasktrain's last
+    epoch and both sides' parameters after the first epoch."""
+    label, _ = _describe(width)
+    rates, last, ours_first = setting.ours(width)
+    results["ours"].append(_steady(rates))
+    if args.whole_gradient:
+        whole_rates, *_ = setting.ours(width, bucket_bytes=WHOLE)
+        results["whole"].append(_steady(whole_rates))
+        print(f"{label}, {setting.name}, repeat {repeat + 1}: gradient in one piece "
+              f"{', '.join(f'{r:,.0f}' for r in whole_rates)}", flush=True)
+    ddp_rates, ddp_first = setting.theirs(width)
+    results["theirs"].append(_steady(ddp_rates))
+    print(f"{label}, {setting.name}, repeat {repeat + 1}: dasktrain "
+          f"{', '.join(f'{r:,.0f}' for r in rates)} samples/s by epoch; DDP "
+          f"{', '.join(f'{r:,.0f}' for r in ddp_rates)}", flush=True)
+    return last, ours_first, ddp_first
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    rows, notes, check = [], [], None
-    one_piece: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="dasktrain-w4-") as tmp, \
-            LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
-                         host="127.0.0.1", **NO_DASHBOARD) as cluster, \
-            Client(cluster) as client:
+    rows: list[Row] = []
+    check = None
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dasktrain-w4-"))
+        cluster = stack.enter_context(LocalCluster(
+            n_workers=WORKERS, threads_per_worker=1, processes=True, host="127.0.0.1",
+            **NO_DASHBOARD))
+        client = stack.enter_context(Client(cluster))
         path = str(Path(tmp) / "regression.zarr")
         data = dt.prepare("regression", path, client=client, samples=args.rows,
                           width=FEATURES, progress=False)
         probe_x, probe_y = (a[:PROBE_ROWS] for a in _arrays(path))
+        found, note = settings(args, client, data, path, stack)
+        if note:
+            print(note, flush=True)
         for width in args.hidden:
             label, parameters = _describe(width)
-            ours, theirs, whole = [], [], []
-            last: dict[str, Any] = {}
+            results = {s.key: {"ours": [], "theirs": [], "whole": []} for s in found}
+            last: dict[str, dict[str, Any]] = {}
             for repeat in range(args.repeats):
-                rates, last, ours_first = dasktrain_run(client, data, width, args.epochs)
-                ours.append(_steady(rates))
-                if args.whole_gradient:
-                    whole_rates, *_ = dasktrain_run(client, data, width, args.epochs,
-                                                    bucket_bytes=WHOLE)
-                    whole.append(_steady(whole_rates))
-                    print(f"{label}, repeat {repeat + 1}: gradient in one piece "
-                          f"{', '.join(f'{r:,.0f}' for r in whole_rates)}", flush=True)
-                ddp_rates, ddp_first = ddp_run(path, width, args.epochs)
-                theirs.append(_steady(ddp_rates))
-                print(f"{label}, repeat {repeat + 1}: dasktrain "
-                      f"{', '.join(f'{r:,.0f}' for r in rates)} samples/s by epoch; DDP "
-                      f"{', '.join(f'{r:,.0f}' for r in ddp_rates)}", flush=True)
-                if check is None:
-                    check = (width, probe_loss(width, None, probe_x, probe_y),
-                             probe_loss(width, ours_first, probe_x, probe_y),
-                             probe_loss(width, ddp_first, probe_x, probe_y))
-            a, b = statistics.median(ours), statistics.median(theirs)
-            rows.append((label, parameters, a, b, last))
-            if whole:
-                one_piece.append(statistics.median(whole))
-            notes.append(f"{width}: stall {last['stall']:.1%}, exchange "
-                         f"{'+'.join(f'{k} x{v}' for k, v in last['exchange_via'].items())}")
-    print("\n| model | dasktrain `sync` (samples/s) | DDP, gloo, data in memory (samples/s) "
-          "| ratio | goal |")
-    print("|---|---:|---:|---:|---|")
-    for label, _, a, b, _ in rows:
-        print(f"| {label} | {a:,.0f} | {b:,.0f} | {a / b:.2f}x | {GOAL} |")
-    if one_piece:
-        print("\n| model | gradient in buckets during backward (default) | in one piece "
-              "after backward | buckets gain |")
-        print("|---|---:|---:|---:|")
-        for (label, _, a, _, _), c in zip(rows, one_piece, strict=True):
-            print(f"| {label} | {a:,.0f} | {c:,.0f} | {a / c:.2f}x |")
-    width, initial, ours_loss, ddp_loss = check
+                for setting in found:  # alternating, so that drift hits every setting
+                    last[setting.key], ours_first, ddp_first = measure(
+                        width, setting, args, repeat, results[setting.key])
+                    if check is None:
+                        check = (width, setting.name, probe_loss(width, None, probe_x, probe_y),
+                                 probe_loss(width, ours_first, probe_x, probe_y),
+                                 probe_loss(width, ddp_first, probe_x, probe_y))
+            for setting in found:
+                figures = results[setting.key]
+                rows.append(Row(label, parameters, setting, statistics.median(figures["ours"]),
+                                statistics.median(figures["theirs"]), last[setting.key],
+                                statistics.median(figures["whole"]) if figures["whole"]
+                                else None))
+    print("\n| model | hosts | dasktrain `sync` (samples/s) | DDP, gloo, data in memory "
+          "(samples/s) | ratio | goal |")
+    print("|---|---|---:|---:|---:|---|")
+    for row in rows:
+        print(f"| {row.label} | {row.setting.name} | {row.ours:,.0f} | {row.theirs:,.0f} | "
+              f"{row.ours / row.theirs:.2f}x | {GOALS[row.setting.key]} |")
+    if args.whole_gradient:
+        print("\n| model | hosts | gradient in buckets during backward (default) | in one "
+              "piece after backward | buckets gain |")
+        print("|---|---|---:|---:|---:|")
+        for row in rows:
+            print(f"| {row.label} | {row.setting.name} | {row.ours:,.0f} | "
+                  f"{row.one_piece:,.0f} | {row.ours / row.one_piece:.2f}x |")
+    width, where, initial, ours_loss, ddp_loss = check
     print(f"\nSame training: MSE on the first {PROBE_ROWS:,} rows after one epoch, hidden "
-          f"{width}: dasktrain {ours_loss:.4f}, DDP {ddp_loss:.4f} (initial {initial:.4f}).")
+          f"{width}, {where}: dasktrain {ours_loss:.4f}, DDP {ddp_loss:.4f} "
+          f"(initial {initial:.4f}).")
+    notes = "; ".join(f"{row.label.split(' ')[0]} {row.setting.name}: stall "
+                      f"{row.last['stall']:.1%}, exchange {_exchange(row.last)}"
+                      for row in rows)
     print(f"(2 workers x batch {BATCH}, {args.rows:,} rows; steady epoch = median of epochs "
-          f"2..{args.epochs}, medians of {args.repeats} repeats; dasktrain's last epoch by "
-          f"hidden width: {'; '.join(notes)}; {os.cpu_count()} cores; torch "
-          f"{torch.__version__})")
+          f"2..{args.epochs}, medians of {args.repeats} repeats; dasktrain's last epoch: "
+          f"{notes}; {os.cpu_count()} cores; torch {torch.__version__})")
+    if note:
+        print(note)
     if args.ratios_json:
         write_ratios(args.ratios_json, ratios(rows))
 

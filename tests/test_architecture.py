@@ -14,6 +14,7 @@ FOLDERS = {"dasktrain": "dasktrain", "datasets": "dasktrain.datasets",
            "evolve": "dasktrain.evolve"}
 GROUND = ("dasktrain._cluster", "dasktrain._deadline", "dasktrain._durable",
           "dasktrain._progress", "dasktrain._malloc", "dasktrain._embedded_worker",
+          "dasktrain._hosts", "dasktrain._host_cluster", "dasktrain._remote",
           "dasktrain.errors")
 MAX_LINES = 400
 
