@@ -24,13 +24,17 @@ workers x wall time) and the time of one evaluation (for NumPy: its whole loop p
 member): on 2 cores shared with the driver and anything else running, two workers make
 each evaluation slower, which the busy fraction tells apart from time lost waiting. Each
 cell is the median of ``--repeats`` runs, interleaved, after one unmeasured warm-up run of
-each. Bytes (from dasktrain's own count, ``EvolutionHistory``):
-per generation, the pickled task arguments (the function reference, the previous
-generation's ranks, the members' range) and results (fitness as float64, the worker's
-address and checksum), against ``population x 4 x parameters``, what sending every member's
-float32 parameters would take; the state's snapshot travels once per worker at the start
+each. Bytes (from dasktrain's own count, ``EvolutionHistory``, see
+``dasktrain.evolve.wire``): per generation, the tasks' pickled arguments (each its chunk's
+index), the update record (the previous generation's ranks, 6 bits a member, and a 20-byte
+header) once per worker that held it, and the results (fitness as float32, the seconds
+the evaluation took, the worker's 8-byte id, and its 4-byte checksum once per worker and
+generation), against ``population x 4 x parameters``, what sending every member's float32
+parameters would take; the state's snapshot travels once per worker at the start
 (reported apart). The ideal ratio, a 4-byte seed and a 4-byte fitness per member and
-nothing else, is parameters / 2.
+nothing else, is parameters / 2. Not counted, and said apart: Dask's own description of
+each task (its key, the function's name, the record's key), the same whatever the model
+and the population.
 
 Also measured, in this process: the cost of one perturbation from the noise table (a
 slice, then ``theta + sigma * eps``) against drawing it from a seeded generator, for 4,610,
@@ -156,6 +160,25 @@ def steady(history: dt.EvolutionHistory, workers: int) -> tuple[float, float, fl
     return evaluations / wall, busy / (workers * wall), 1e3 * busy / evaluations
 
 
+def dask_envelope_bytes() -> int | None:
+    """Bytes of Dask's own description of one evaluation task as the client sends it (its
+    key, the function's name, the record's key and the task's argument): what carries the
+    counted bytes, the same for any model and population. None where this version of
+    Dask describes tasks otherwise."""
+    try:
+        from dask._task_spec import Task, TaskRef
+    except ImportError:
+        return None
+    from distributed.protocol import pickle
+
+    from dasktrain.evolve.worker.tasks import evaluate_members
+
+    run = "0123456789abcdef"
+    task = Task(f"dasktrain-evolve-{run}-12-3-57", evaluate_members,
+                TaskRef(f"dasktrain-evolve-record-{run}-12-40"), 3)
+    return len(pickle.dumps(task))
+
+
 def noise_costs(sizes: list[int], repeats: int = 20) -> list[tuple[int, float, float]]:
     """(parameters, ms per member from the table, ms per member from a generator)."""
     out = []
@@ -230,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     history = histories[-1]
     rows = range(1, history.generations)
     sent = statistics.median(history.bytes_sent[i] for i in rows)
+    records = statistics.median(history.record_bytes[i] for i in rows)
     received = statistics.median(history.bytes_received[i] for i in rows)
-    exchanged = sent + received
+    exchanged = statistics.median(history.exchanged_bytes()[i] for i in rows)
     by_parameters = history.parameter_bytes[-1]
     start = history.snapshot_bytes[0]
 
@@ -258,9 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     print(file=report)
     print("| bytes per generation (2 workers, median after the first) | bytes |", file=report)
     print("|---|---:|", file=report)
-    print(f"| tasks: pickled function and arguments, {history.tasks[-1]} tasks | {sent:,.0f} |",
+    print(f"| tasks: pickled arguments (a chunk's index), {history.tasks[-1]} tasks | "
+          f"{sent:,.0f} |", file=report)
+    print(f"| update record: the last generation's ranks, one copy per worker | "
+          f"{records:,.0f} |", file=report)
+    print(f"| results: fitness, seconds, worker id; a checksum per worker | {received:,.0f} |",
           file=report)
-    print(f"| results: fitness, worker, checksum | {received:,.0f} |", file=report)
     print(f"| **exchanged** ({exchanged / args.population:.0f} bytes per member) | "
           f"**{exchanged:,.0f}** |", file=report)
     print(f"| sending every member's parameters instead | {by_parameters:,} |", file=report)
@@ -268,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
           f"**{by_parameters / exchanged:,.0f}x** |", file=report)
     print(f"| once at the start: the state's snapshot, to each of 2 workers | {start:,} |",
           file=report)
+    envelope = dask_envelope_bytes()
+    if envelope is not None:
+        print(f"| not counted: Dask's own description of each task (key, function, the "
+              f"record's key), pickled | {envelope:,} |", file=report)
     print(file=report)
     print("| perturbation of | noise table (slice + axpy) | seeded generator | table / "
           "generator |", file=report)

@@ -9,9 +9,10 @@ The room: :mod:`.config` (the algorithms' settings), :mod:`.noise` (seeds to
 perturbations), :mod:`.draws` (random choices by generation), :mod:`.shaping` (ranks),
 :mod:`.optimizer` (the ES update's optimizers in numpy), :mod:`.openai_es` and
 :mod:`.deep_ga` (the algorithms, pure), :mod:`.algorithm` (their interface), :mod:`.model`
-(flat parameters), :mod:`.spec` (a run as a process sees it); ``worker/`` (each process's
-copy of the run, the Dask task, fitness and data), ``driver/`` (the generation loop, the
-hand-out of members, checkpoints, :class:`Evolver`), ``view/`` (history and figures).
+(flat parameters), :mod:`.spec` (a run as a process sees it), :mod:`.wire` (what a
+generation exchanges, byte for byte); ``worker/`` (each process's copy of the run, the Dask
+task, fitness and data), ``driver/`` (the generation loop, the workers it uses, what it
+places on them, checkpoints, :class:`Evolver`), ``view/`` (history and figures).
 """
 
 from dasktrain.evolve.config import ALGORITHMS, ESConfig, GAConfig, es, ga, get_algorithm

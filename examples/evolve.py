@@ -134,8 +134,8 @@ def solve_cartpole(args: argparse.Namespace, client, out: Path) -> None:
 
 def _per_generation(history: dt.EvolutionHistory) -> str:
     rows = range(1, history.generations) if history.generations > 1 else range(1)
-    exchanged = [history.bytes_sent[i] + history.bytes_received[i] for i in rows]
-    return f"{sum(exchanged) / len(exchanged):,.0f}"
+    exchanged = history.exchanged_bytes()
+    return f"{sum(exchanged[i] for i in rows) / len(rows):,.0f}"
 
 
 def train_digits(args: argparse.Namespace, client, out: Path) -> None:

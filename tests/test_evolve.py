@@ -17,6 +17,7 @@ from tests.common.evolution import (
     fit_sum_slowly_on,
     flat,
     nan_reward,
+    nudge_copies,
     say_hello,
     tiny_net,
 )
@@ -37,9 +38,10 @@ def _evolver(algorithm="es", **options) -> dt.Evolver:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_one_and_two_workers_evolve_the_same_generations(client, algorithm):
-    one, two = _evolver(algorithm, workers=1), _evolver(algorithm, workers=2)
-    first = one.fit(generations=3, client=client)
+    # Two workers first: on a fresh cluster both processes take up the run's code at once.
+    two, one = _evolver(algorithm, workers=2), _evolver(algorithm, workers=1)
     second = two.fit(generations=3, client=client)
+    first = one.fit(generations=3, client=client)
     # The same members, the same fitness, the same result, bit for bit.
     assert first.best == second.best and first.mean == second.mean
     assert torch.equal(flat(one.model), flat(two.model))
@@ -48,16 +50,22 @@ def test_one_and_two_workers_evolve_the_same_generations(client, algorithm):
     # Parameters travelled once, at the start; then only ranks and fitness.
     assert second.snapshot_bytes[0] > 0 and second.snapshot_bytes[1:] == [0, 0]
     assert second.missed == [0, 0, 0]
-    assert all(b < p for b, p in zip(second.bytes_sent, second.parameter_bytes, strict=True))
+    # Byte for byte (dasktrain.evolve.wire): 4 tasks, each its chunk's index pickled (5
+    # bytes); the record (a 20-byte header and 8 ranks of 3 bits) once per worker of the
+    # pool; 4 results of 2 float32 fitness values, float32 seconds and an 8-byte worker
+    # id, and a 4-byte checksum once per worker that evaluated.
+    for history, pool in ((first, 1), (second, 2)):
+        assert history.bytes_sent == [20] * 3 and history.record_bytes[1:] == [23 * pool] * 2
+        assert history.bytes_received == [80 + 4 * w for w in history.workers]
     figure = second.plot()
     assert len(figure.axes) == 3
 
 
 def test_a_slow_worker_evaluates_fewer_members(client):
-    """Members are handed out as workers come free: one worker 0.1 s slower per member
+    """Members are handed out as workers come free: one worker 0.05 s slower per member
     takes a small share of the generation, and the result is the same."""
     slow = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
-    reward = functools.partial(fit_sum_slowly_on, slow=slow, seconds=0.1)
+    reward = functools.partial(fit_sum_slowly_on, slow=slow, seconds=0.05)
     evolver = _evolver(reward=reward, population=16)
     history = evolver.fit(generations=2, client=client)
     done = {w: sum(g.get(w, 0) for g in history.members_per_worker)
@@ -85,6 +93,20 @@ def test_workers_without_a_copy_of_the_state_get_a_snapshot_and_go_on(client):
     assert any("got a snapshot (no copy)" in event for event in history.events)
     assert history.best == expected.best
     assert torch.equal(flat(disturbed.model), flat(straight.model))
+
+
+def test_a_copy_that_drifted_from_the_drivers_stops_the_run(client):
+    """Every worker's copy of the state is checked against the driver's, once per
+    generation: a copy changed behind the run's back (as other float arithmetic would)
+    stops it, naming the worker and the generation."""
+    def nudge_after_generation_1(evolver, record):
+        if record["generation"] == 1:
+            assert sum(client.run(nudge_copies).values()) >= 1
+
+    with pytest.raises(dt.EvolutionError, match=r"worker tcp://\S+'s copy of the run's "
+                       r"state at generation 2 differs from the driver's \(checksum \d+ "
+                       r"against \d+\): its float arithmetic differs"):
+        _evolver().fit(generations=4, client=client, callbacks=[nudge_after_generation_1])
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

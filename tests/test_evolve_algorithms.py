@@ -1,7 +1,8 @@
 """The algorithms of gradient-free training, as pure functions: the ES update rebuilt from
 seeds and ranks equals the update computed directly from the materialised perturbations
-(and torch's optimizers), and a GA individual rebuilt from its seeds equals the one it
-encodes, with or without its parent cached."""
+(and torch's optimizers), a GA individual rebuilt from its seeds equals the one it
+encodes, with or without its parent cached, and what a generation exchanges decodes to
+what was encoded, in the bytes the docs promise."""
 
 from __future__ import annotations
 
@@ -14,7 +15,20 @@ from dasktrain.evolve.deep_ga import GeneticAlgorithm
 from dasktrain.evolve.model import initial_parameters
 from dasktrain.evolve.noise import noise_source
 from dasktrain.evolve.openai_es import EvolutionStrategy
-from dasktrain.evolve.shaping import centered_ranks, decode_ranks, encode_ranks, ranks_of
+from dasktrain.evolve.shaping import (
+    centered_ranks,
+    decode_ranks,
+    encode_ranks,
+    ranks_of,
+    ranks_size,
+)
+from dasktrain.evolve.wire import (
+    decode_record,
+    decode_result,
+    encode_record,
+    encode_result,
+    worker_id,
+)
 from tests.common.evolution import tiny_net
 
 SIZE, POPULATION, SIGMA = 37, 8, 0.1
@@ -109,6 +123,37 @@ def test_ga_rebuilt_from_seeds_equals_the_individual_it_encodes():
         assert np.array_equal(fresh.build(encoding), expected)
         assert np.array_equal(ga.build(encoding), expected)  # from a cached ancestor
     assert ga.cache.hits + ga.cache.built > 0
+
+
+@pytest.mark.parametrize("population", [2, 3, 48, 1000, 70_000])
+def test_ranks_travel_in_ceil_log2_bits_each(population):
+    ranks = np.random.default_rng(population).permutation(population)
+    packed = encode_ranks(ranks)
+    assert len(packed) == ranks_size(population) == -(-population * max(
+        1, (population - 1).bit_length()) // 8)
+    assert np.array_equal(decode_ranks(packed, population), ranks)
+
+
+def test_a_generations_record_and_results_decode_to_what_was_sent():
+    rng = np.random.default_rng(5)
+    history = [rng.permutation(48) for _ in range(3)]
+    record = encode_record("0123456789abcdef", 12, 9, 6, [encode_ranks(r) for r in history])
+    assert len(record) == 20 + 3 * 36  # a 20-byte header, 6 bits a member
+    header = decode_record(record)
+    assert (header.run_key, header.generation, header.base) == ("0123456789abcdef", 12, 9)
+    assert header.members(7, 48) == (42, 48) and header.members(2, 45) == (12, 18)
+    for g, ranks in enumerate(history, start=9):
+        assert np.array_equal(header.ranks_of(g, 48), ranks)
+    values = rng.standard_normal(6)
+    me = worker_id("tcp://127.0.0.1:4321")
+    plain, checked = (encode_result(values, 0.25, me, c) for c in (None, 2**32 - 1))
+    assert (len(plain), len(checked)) == (36, 40)  # 6 float32, seconds, id (+ checksum)
+    for data, checksum in ((plain, None), (checked, 2**32 - 1)):
+        answer = decode_result(data, 6)
+        assert np.array_equal(answer.values, values.astype(np.float32))
+        assert (answer.seconds, answer.worker, answer.checksum) == (0.25, me, checksum)
+    with pytest.raises(ValueError, match="a result of 4 members has 28 or 32 bytes, not 36"):
+        decode_result(plain, 4)
 
 
 def test_algorithm_settings_refuse_what_cannot_run():

@@ -1,6 +1,7 @@
 """Evolution when processes die: a lost worker's members are evaluated elsewhere and the run
-ends where an undisturbed one does; a lost scheduler fails the fit fast, naming the
-checkpoint to resume from."""
+ends where an undisturbed one does; a generation's update record lost with the workers
+holding it is placed again; a lost scheduler fails the fit fast, naming the checkpoint to
+resume from."""
 
 from __future__ import annotations
 
@@ -12,40 +13,79 @@ import torch
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
-from dasktrain._cluster import NO_DASHBOARD
+from dasktrain._cluster import NO_DASHBOARD, worker_info
 from dasktrain.evolve.driver.checkpoint import load_evolution
-from tests.common.evolution import fit_sum, fit_sum_killing_once, flat, tiny_net
+from tests.common.builders import wait_for
+from tests.common.evolution import (
+    fit_sum,
+    fit_sum_closing_once,
+    fit_sum_killing_once,
+    flat,
+    tiny_net,
+)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A cluster of its own: the test kills one of its worker processes."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster) as client:
-        yield cluster, client
+def _evolver(reward, **options) -> dt.Evolver:
+    settings = {"algorithm": dt.evolve.es(0.1), "population": 8, "members_per_task": 2,
+                "checkpoint_every": 1, "progress": False, **options}
+    return dt.Evolver(tiny_net, reward=reward, **settings)
 
 
-def _evolver(reward) -> dt.Evolver:
-    return dt.Evolver(tiny_net, reward=reward, algorithm=dt.evolve.es(0.1), population=8,
-                      members_per_task=2, checkpoint_every=1, progress=False)
-
-
-def test_a_lost_workers_members_are_evaluated_elsewhere(cluster, tmp_path):
-    _, client = cluster
-    client.wait_for_workers(2, timeout=60)
-    reference = _evolver(fit_sum)
-    expected = reference.fit(generations=4, client=client)
-
+def test_a_lost_workers_members_are_evaluated_elsewhere(client, tmp_path):
+    """A third worker process joins the session's cluster; it is killed (SIGKILL) as it
+    evaluates a member of generation 3 or 4, and its nanny starts it again. Dask runs the
+    task again on another worker; the run ends where an undisturbed one does, bit for
+    bit."""
     def arm_after_generation_2(evolver, record):
-        # The next evaluation kills its worker process: in the last generation, so that
-        # the run does not wait for the restarted process to import torch.
+        # The victim's next evaluation kills it: late in the run, so that the run does not
+        # wait for the restarted process to import torch.
         if record["generation"] == 2:
             (tmp_path / "arm").touch()
 
-    marker = tmp_path / "killed"
-    evolver = _evolver(functools.partial(fit_sum_killing_once, marker=str(marker)))
-    history = evolver.fit(generations=4, client=client, callbacks=[arm_after_generation_2])
-    assert marker.exists()  # a worker really died mid-generation
+    reference = _evolver(fit_sum)
+    expected = reference.fit(generations=5, client=client)
+    cluster, before = client.cluster, set(worker_info(client))
+    cluster.scale(len(before) + 1)
+    try:
+        client.wait_for_workers(len(before) + 1, timeout=60)
+        (victim,) = set(worker_info(client)) - before
+        marker = tmp_path / "killed"
+        evolver = _evolver(functools.partial(fit_sum_killing_once, marker=str(marker),
+                                             victim=victim))
+        history = evolver.fit(generations=5, client=client,
+                              callbacks=[arm_after_generation_2])
+    finally:
+        cluster.scale(len(before))
+        wait_for(lambda: set(worker_info(client)) == before, 60,
+                 "the cluster to be back to its own workers")
+    assert marker.exists()  # the victim really died mid-generation
+    assert history.best == expected.best and history.mean == expected.mean
+    assert torch.equal(flat(evolver.model), flat(reference.model))
+
+
+def test_a_record_lost_with_its_workers_is_placed_again(tmp_path):
+    """With ``workers=1``, the generation's update record and the starting snapshot live on
+    the one chosen worker; it stops during generation 0 (workers as threads of this
+    process: cheap to start, and one can be stopped from its own task), and with it go the
+    record, the snapshot and the tasks waiting for them. The record goes to the other worker
+    and the members with it; the run ends where an undisturbed one does."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, protocol="tcp://",
+                      host="127.0.0.1", **NO_DASHBOARD) as local, Client(local) as own:
+        reference = _evolver(fit_sum, workers=1)
+        expected = reference.fit(generations=3, client=own)
+        marker = tmp_path / "closed"
+        (tmp_path / "arm").touch()
+        evolver = _evolver(functools.partial(fit_sum_closing_once, marker=str(marker)),
+                           workers=1)
+        history = evolver.fit(generations=3, client=own)
+    assert marker.exists()
+    events = "\n".join(history.events)
+    assert "generation 0: the workers holding its update record or snapshot were lost" \
+        in events, events
+    # The two workers share one copy of the run (one process): the first sent its checksum
+    # in an answer that was lost with it, so the second's answers come without one, and
+    # its members are evaluated again, the checksum asked for.
+    assert "generation 0: no checksum came from" in events, events
     assert history.best == expected.best and history.mean == expected.mean
     assert torch.equal(flat(evolver.model), flat(reference.model))
 

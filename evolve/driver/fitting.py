@@ -24,7 +24,8 @@ from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.evolve.algorithm import Algorithm, initial_state
 from dasktrain.evolve.config import AlgorithmConfig
 from dasktrain.evolve.driver.checkpoint import check_resumable, load_evolution, save_evolution
-from dasktrain.evolve.driver.coordinator import Coordinator, GenerationReport
+from dasktrain.evolve.driver.coordinator import Coordinator
+from dasktrain.evolve.driver.generation import GenerationReport
 from dasktrain.evolve.driver.settings import default_members_per_task, run_settings
 from dasktrain.evolve.errors import EvolutionError, InvalidFitness
 from dasktrain.evolve.model import load_parameters
@@ -243,6 +244,7 @@ def _record(generation: int, report: GenerationReport, host: EvolveHost) -> dict
         "workers": len(report.members_per_worker),
         "members_per_worker": dict(report.members_per_worker),
         "bytes_sent": report.bytes_sent,
+        "record_bytes": report.record_bytes,
         "bytes_received": report.bytes_received,
         "snapshot_bytes": report.snapshot_bytes,
         "parameter_bytes": 4 * host.parameters * len(values),

@@ -19,7 +19,8 @@ EVOLUTION_HISTORY_FORMAT = "dasktrain.EvolutionHistory/1"
 
 _PER_GENERATION = ("generation", "best", "mean", "worst", "seconds", "evaluations_per_s",
                    "compute_seconds", "tasks", "missed", "workers", "members_per_worker",
-                   "bytes_sent", "bytes_received", "snapshot_bytes", "parameter_bytes")
+                   "bytes_sent", "record_bytes", "bytes_received", "snapshot_bytes",
+                   "parameter_bytes")
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,11 +34,14 @@ class EvolutionHistory:
     it); ``compute_seconds`` (the workers' time evaluating, summed); ``tasks`` (Dask tasks,
     re-sent ones included) and ``missed`` (tasks answered by a worker that first needed a
     snapshot); ``workers`` (how many evaluated members) and ``members_per_worker`` (how
-    many each did, by address: a slow worker does fewer); ``bytes_sent`` and
-    ``bytes_received`` (the tasks' pickled arguments and results), ``snapshot_bytes``
-    (copies of the state sent to workers: the first generation of a fit, and workers that
-    joined or fell behind) and ``parameter_bytes``, what sending every member's float32
-    parameters would have sent instead. ``events`` says what happened to workers.
+    many each did, by address: a slow worker does fewer); ``bytes_sent`` (the tasks'
+    pickled arguments), ``record_bytes`` (the generation's update record, the previous
+    generation's ranks, once per worker that held it), ``bytes_received`` (the results),
+    ``snapshot_bytes`` (copies of the state sent to workers: the first generation of a
+    fit, and workers that joined or fell behind) and ``parameter_bytes``, what sending
+    every member's float32 parameters would have sent instead
+    (:meth:`exchanged_bytes` sums the first three). ``events`` says what happened to
+    workers.
     """
 
     algorithm: str = ""
@@ -56,6 +60,7 @@ class EvolutionHistory:
     workers: list[int] = dataclasses.field(default_factory=list)
     members_per_worker: list[dict[str, int]] = dataclasses.field(default_factory=list)
     bytes_sent: list[int] = dataclasses.field(default_factory=list)
+    record_bytes: list[int] = dataclasses.field(default_factory=list)
     bytes_received: list[int] = dataclasses.field(default_factory=list)
     snapshot_bytes: list[int] = dataclasses.field(default_factory=list)
     parameter_bytes: list[int] = dataclasses.field(default_factory=list)
@@ -87,13 +92,19 @@ class EvolutionHistory:
             out.append(value if not out else pick(out[-1], value))
         return out
 
+    def exchanged_bytes(self) -> list[int]:
+        """Per generation, the bytes its tasks, update record and results took (snapshots
+        apart)."""
+        return [s + r + b for s, r, b in zip(self.bytes_sent, self.record_bytes,
+                                             self.bytes_received, strict=True)]
+
     def exchange_ratio(self, skip_first: bool = True) -> float | None:
         """Bytes sending every member's parameters would take, over the bytes exchanged
-        (tasks, results and snapshots), over the generations (the first left out with
-        ``skip_first``: it carries the fit's starting snapshot)."""
+        (tasks, records, results and snapshots), over the generations (the first left out
+        with ``skip_first``: it carries the fit's starting snapshot)."""
         rows = range(1 if skip_first and self.generations > 1 else 0, self.generations)
-        ours = sum(self.bytes_sent[i] + self.bytes_received[i] + self.snapshot_bytes[i]
-                   for i in rows)
+        exchanged = self.exchanged_bytes()
+        ours = sum(exchanged[i] + self.snapshot_bytes[i] for i in rows)
         return sum(self.parameter_bytes[i] for i in rows) / ours if ours else None
 
     def summary(self) -> dict[str, Any]:
@@ -109,8 +120,8 @@ class EvolutionHistory:
             "best": self.best_so_far()[-1] if self.best else None,
             "final_mean": self.mean[-1] if self.mean else None,
             "evaluations_per_s": evaluations / total if total else 0.0,
-            "bytes_per_generation": ((sum(self.bytes_sent) + sum(self.bytes_received))
-                                     / self.generations if self.generations else 0.0),
+            "bytes_per_generation": (sum(self.exchanged_bytes()) / self.generations
+                                     if self.generations else 0.0),
             "exchange_ratio": self.exchange_ratio(),
             "wall_time_s": self.wall_time,
             "events": len(self.events),
@@ -124,6 +135,8 @@ class EvolutionHistory:
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"EvolutionHistory fields this version does not know: {unknown}")
+        if "record_bytes" not in values:  # written before records were counted apart
+            values = {**values, "record_bytes": [0] * len(values.get("generation", []))}
         return cls(**values)
 
     def save(self, path: str | os.PathLike) -> Path:

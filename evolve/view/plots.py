@@ -64,11 +64,10 @@ def _throughput(ax: Axes, history: EvolutionHistory) -> None:
 
 def _bytes(ax: Axes, history: EvolutionHistory) -> None:
     x = history.generation
-    exchanged = [s + r for s, r in zip(history.bytes_sent, history.bytes_received,
-                                       strict=True)]
+    exchanged = history.exchanged_bytes()
     ax.plot(x, history.parameter_bytes, color="0.4", ls="--",
             label="sending every member's parameters")
-    ax.plot(x, exchanged, color="C0", label="tasks and results")
+    ax.plot(x, exchanged, color="C0", label="tasks, record and results")
     snapshots = [(g, b) for g, b in zip(x, history.snapshot_bytes, strict=True) if b]
     if snapshots:
         ax.scatter(*zip(*snapshots, strict=True), color="C3", s=12, zorder=3,

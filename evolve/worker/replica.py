@@ -18,13 +18,13 @@ from distributed.protocol import pickle
 
 from dasktrain.evolve.errors import InvalidFitness
 from dasktrain.evolve.model import made_with_seed
-from dasktrain.evolve.shaping import decode_ranks, encode_ranks
 from dasktrain.evolve.spec import RunSpec, Snapshot
+from dasktrain.evolve.wire import Record
 from dasktrain.evolve.worker.data import BatchReader
 from dasktrain.evolve.worker.fitness import LossFitness
 from dasktrain.trainer.flat import FlatModel
 
-__all__ = ["Replica", "find_replica", "forget_run", "keep_replica"]
+__all__ = ["Replica", "find_replica", "forget_run", "keep_replica", "replica_from"]
 
 
 class Replica:
@@ -46,7 +46,8 @@ class Replica:
         self.reader = (BatchReader(spec.fitness.batches)
                        if isinstance(spec.fitness, LossFitness) else None)
         self._digest: tuple[int, int] | None = None
-        self._record_size = len(encode_ranks(np.zeros(spec.population, np.int64)))
+        self.checked = -1
+        """The last generation whose checksum this copy reported (once per generation)."""
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot) -> Replica:
@@ -54,13 +55,11 @@ class Replica:
         # the ES update would otherwise advance in place.
         return cls(pickle.loads(snapshot.spec), snapshot.generation, snapshot.state.copy())
 
-    def catch_up(self, generation: int, base: int, records: bytes) -> None:
-        """Advance to ``generation`` with the records of generations ``base ..
-        generation - 1`` (concatenated in order)."""
-        size = self._record_size
-        while self.generation < generation:
-            offset = (self.generation - base) * size
-            ranks = decode_ranks(records[offset : offset + size], self.spec.population)
+    def catch_up(self, record: Record) -> None:
+        """Advance to the record's generation with its ranks of generations ``base ..
+        generation - 1``."""
+        while self.generation < record.generation:
+            ranks = record.ranks_of(self.generation, self.spec.population)
             self.state = self.algorithm.advance(self.state, self.generation, ranks)
             self.generation += 1
 
@@ -71,7 +70,8 @@ class Replica:
         return self._digest[1]
 
     def evaluate(self, start: int, stop: int) -> np.ndarray:
-        """The fitness of members ``start .. stop - 1`` of the current generation."""
+        """The fitness of members ``start .. stop - 1`` of the current generation
+        (float64, each checked to be one finite number)."""
         spec, generation = self.spec, self.generation
         if spec.torch_threads > 0 and torch.get_num_threads() != spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
@@ -106,6 +106,22 @@ def find_replica(run_key: str, base: int, generation: int) -> Replica | None:
         if replica is None or not base <= replica.generation <= generation:
             return None
         _REPLICAS.move_to_end(run_key)
+        return replica
+
+
+_MAKING_LOCK = threading.Lock()
+
+
+def replica_from(snapshot: Snapshot, run_key: str, base: int, generation: int) -> Replica:
+    """This process's copy of run ``run_key`` that can reach ``generation`` from the
+    records that start at ``base``: the one kept, or a new one made from ``snapshot`` and
+    kept. One thread at a time: two tasks of a worker's first generation of the run would
+    otherwise each make a copy, and keeping the second would close the first in use."""
+    with _MAKING_LOCK:
+        replica = find_replica(run_key, base, generation)
+        if replica is None:
+            replica = Replica.from_snapshot(snapshot)
+            keep_replica(replica)
         return replica
 
 

@@ -1,72 +1,55 @@
 """The one Dask task of a run: evaluate a few members of one generation.
 
-Its argument and its result are plain tuples of scalars and bytes, the whole exchange of a
-generation (tuples rather than dataclasses: a dataclass pickles with its class's path,
-which would be most of the bytes of a small task):
-
-* task: ``(run_key, generation, base, records, snapshot, (start, stop))``: the update
-  records (ranks) of generations ``base .. generation - 1``, concatenated; ``snapshot`` is
-  ``(published name, generation)`` of a copy of the run's state the driver offers, or None;
-  members ``start .. stop - 1`` to evaluate.
-* result: ``(OK, worker, fitness, digest, seconds, fetched)``: the members' fitness as
-  float64 bytes, the checksum of this process's state at the generation, the seconds the
-  evaluation took, and 1 if the snapshot was fetched from another process for it (else 0).
-  Or ``(MISS, worker, reason)``: this process holds no copy it can bring to the generation
-  and no snapshot was usable; the driver sends the members again with a fresh one.
+``evaluate_members(record, chunk, snapshot=None, check=False)``; what its arguments and
+answer hold, byte for byte, is in :mod:`dasktrain.evolve.wire`. The record (the run, the
+generation and the ranks this process may lack) and a snapshot are Dask dependencies of
+the task: the cluster moves each to a worker once, however many of the generation's tasks
+the worker runs, so a task itself carries the index of its members alone.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from distributed import get_client, get_worker
+from distributed import get_worker
 
 from dasktrain.evolve.spec import Snapshot
-from dasktrain.evolve.worker.replica import Replica, find_replica, forget_run, keep_replica
+from dasktrain.evolve.wire import MISS, decode_record, encode_result, worker_id
+from dasktrain.evolve.worker.replica import find_replica, forget_run, replica_from
 
-__all__ = ["MISS", "NO_COPY", "OK", "SNAPSHOT_LOST", "Task", "evaluate_members", "forget_run"]
-
-OK, MISS = 0, 1
-#: Why a task missed: no copy here and no usable snapshot offered; or the snapshot offered
-#: could not be fetched (its worker died: the driver publishes another).
-NO_COPY, SNAPSHOT_LOST = "no copy", "snapshot lost"
-
-#: Seconds a worker waits for a snapshot before it reports it lost.
-FETCH_TIMEOUT = 120.0
-
-Task = tuple[str, int, int, bytes, tuple[str, int] | None, tuple[int, int]]
+__all__ = ["evaluate_members", "forget_run"]
 
 
-def evaluate_members(task: Task) -> tuple[Any, ...]:
-    """Runs on a worker: bring this process's copy of the run to the task's generation and
-    evaluate its members (see the module docstring)."""
-    run_key, generation, base, records, snapshot, (start, stop) = task
+def evaluate_members(record: bytes, chunk: int, snapshot: Snapshot | None = None,
+                     check: bool = False) -> bytes | tuple[str, str]:
+    """Runs on a worker: bring this process's copy of the run to the record's generation
+    and evaluate the members of task ``chunk``.
+
+    Returns their fitness, this worker's id and, in the copy's first answer of the
+    generation (or with ``check``), the checksum of its state, encoded by
+    :func:`~dasktrain.evolve.wire.encode_result`; or ``(MISS, address)`` when this process
+    holds no copy it can bring to the generation and ``snapshot`` is None (the driver sends
+    the members again with one).
+    """
+    header = decode_record(record)
     address = get_worker().address
-    fetched = 0
-    replica = find_replica(run_key, base, generation)
+    replica = find_replica(header.run_key, header.base, header.generation)
     if replica is None:
-        if snapshot is None or not base <= snapshot[1] <= generation:
-            return (MISS, address, NO_COPY)
-        try:
-            found, fetched = _fetch(snapshot[0])
-        except Exception:  # its worker died, or it was replaced: ask for another
-            return (MISS, address, SNAPSHOT_LOST)
-        replica = Replica.from_snapshot(found)
-        keep_replica(replica)
+        if snapshot is None or not header.base <= snapshot.generation <= header.generation:
+            return (MISS, address)
+        replica = replica_from(snapshot, header.run_key, header.base, header.generation)
+    start, stop = header.members(chunk, replica.spec.population)
     with replica.lock:
-        replica.catch_up(generation, base, records)
+        if replica.generation > header.generation:
+            # A task of a generation the run has left behind (its worker was thought lost):
+            # nobody waits for it.
+            return (MISS, address)
+        replica.catch_up(header)
         started = time.perf_counter()
         values = replica.evaluate(start, stop)
         seconds = time.perf_counter() - started
-        digest = replica.digest()
-    return (OK, address, values.tobytes(), digest, seconds, fetched)
-
-
-def _fetch(name: str) -> tuple[Snapshot, int]:
-    """The snapshot published as ``name``, and 1 if it came from another process."""
-    client = get_client()
-    future = client.get_dataset(name)
-    local = future.key in get_worker().data
-    snapshot = future.result(timeout=FETCH_TIMEOUT)
-    return snapshot, 0 if local else 1
+        checksum = None
+        if check or replica.checked != header.generation:
+            checksum = replica.digest()
+            replica.checked = header.generation
+    return encode_result(values, seconds, worker_id(address), checksum)

@@ -22,13 +22,34 @@ def fit_sum(model: torch.nn.Module, seed: int) -> float:
     return -float(((model(x) - x.sum(1, keepdim=True)) ** 2).mean())
 
 
-def fit_sum_killing_once(model: torch.nn.Module, seed: int, marker: str) -> float:
-    """:func:`fit_sum`, but the first call after ``marker``'s directory holds ``arm`` kills
-    its process (SIGKILL), once per test."""
+def fit_sum_killing_once(model: torch.nn.Module, seed: int, marker: str, victim: str
+                         ) -> float:
+    """:func:`fit_sum`, but the first call on the worker at address ``victim`` after
+    ``marker``'s directory holds ``arm`` kills its process (SIGKILL), once per test."""
+    from distributed import get_worker
+
+    armed = Path(marker).parent / "arm"
+    if armed.exists() and not Path(marker).exists() and get_worker().address == victim:
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return fit_sum(model, seed)
+
+
+def fit_sum_closing_once(model: torch.nn.Module, seed: int, marker: str) -> float:
+    """:func:`fit_sum`, but the first call after ``marker``'s directory holds ``arm`` closes
+    its worker (one running in the test's own process: as if it died) and waits until it
+    has stopped, so that the data it held is gone with it."""
+    from distributed import get_worker
+
+    from tests.common.builders import wait_for
+
     armed = Path(marker).parent / "arm"
     if armed.exists() and not Path(marker).exists():
         Path(marker).touch()
-        os.kill(os.getpid(), signal.SIGKILL)
+        worker = get_worker()
+        worker.loop.add_callback(worker.close, executor_wait=False, nanny=False)
+        wait_for(lambda: worker.status.name in ("closed", "failed"), 30,
+                 "the worker to close")
     return fit_sum(model, seed)
 
 
@@ -54,6 +75,18 @@ def drop_copies() -> int:
     for run in runs:
         replica.forget_run(run)
     return len(runs)
+
+
+def nudge_copies() -> int:
+    """Runs on a worker: move every ES copy of the state it holds a little (as other float
+    arithmetic would); returns how many it moved."""
+    from dasktrain.evolve.worker import replica
+
+    copies = list(replica._REPLICAS.values())
+    for copy in copies:
+        with copy.lock:
+            copy.state.params += np.float32(1e-3)
+    return len(copies)
 
 
 def fit_sum_slowly_on(model: torch.nn.Module, seed: int, slow: str, seconds: float) -> float:
