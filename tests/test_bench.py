@@ -24,13 +24,15 @@ def _table(stdout: str) -> list[list[str]]:
     return cells[2:]
 
 
-SHARED = [name for name in BENCHMARKS if name not in ("e2e", "scaling")]
+# Those with a quick run and checks of their own elsewhere (test_bench_e2e.py,
+# test_bench_prepare.py, test_bench_text.py, test_images.py) are not run again here.
+OWN_TESTS = ("e2e", "scaling", "prepare", "images", "text")
+SHARED = [name for name in BENCHMARKS if name not in OWN_TESTS]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # four benchmarks, each starting its own processes
 def test_bench_quick_prints_a_table_of_ratios_with_rows_of_every_benchmark():
-    # e2e and scaling run on their own, with checks of their own, in test_bench_e2e.py.
     result = run_cli("bench", "--quick", "--only", *SHARED, timeout=570)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = _table(result.stdout)
