@@ -56,6 +56,7 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
     "ROLES",
+    "chunk_lengths",
     "chunk_rows_for",
     "create_sample_array",
     "parse_size",
@@ -101,6 +102,12 @@ def chunk_rows_for(row_bytes: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> i
     if row_bytes <= 0:
         raise ValueError(f"row size must be positive, got {row_bytes}")
     return max(1, math.floor(target_bytes / row_bytes))
+
+
+def chunk_lengths(num_samples: int, chunk_rows: int) -> tuple[int, ...]:
+    """Rows of each chunk of ``num_samples`` rows cut every ``chunk_rows`` (the last one
+    shorter)."""
+    return tuple(min(chunk_rows, num_samples - s) for s in range(0, num_samples, chunk_rows))
 
 
 def row_bytes(dtypes_and_shapes: list[tuple[np.dtype, tuple[int, ...]]]) -> int:

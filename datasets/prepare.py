@@ -51,7 +51,7 @@ from dasktrain.datasets.cleaning import warn_about_cleaning
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
 from dasktrain.datasets.errors import DatasetError, SourceError
-from dasktrain.datasets.format import FORMAT_VERSION, chunk_rows_for
+from dasktrain.datasets.format import FORMAT_VERSION, chunk_lengths, chunk_rows_for
 from dasktrain.datasets.one_pass import write_direct
 from dasktrain.datasets.remote import StagedPrefix, check_output_url
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
@@ -111,8 +111,7 @@ def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_s
     names = list(specs)
     reader = src.block_reader()
     if reader is not None:  # the tasks read their rows themselves: no Dask arrays to build
-        n = src.num_samples
-        lengths = [min(chunk_rows, n - s) for s in range(0, n, chunk_rows)]
+        lengths = list(chunk_lengths(src.num_samples, chunk_rows))
         blocks = []
     else:
         arrays = src.to_dask(chunk_rows)

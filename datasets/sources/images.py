@@ -39,6 +39,7 @@ from distributed import Client
 from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.cleaning import CleaningWarning
 from dasktrain.datasets.errors import SourceError
+from dasktrain.datasets.format import chunk_lengths
 from dasktrain.datasets.image_codec import (
     FITS,
     ImageError,
@@ -277,7 +278,7 @@ class ImageSource:
     # -- the build ---------------------------------------------------------------------------
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         n = self.num_samples
-        chunks = tuple(min(chunk_rows, n - s) for s in range(0, n, chunk_rows))
+        chunks = chunk_lengths(n, chunk_rows)
         reader = self.block_reader()
         return {
             name: da.map_blocks(

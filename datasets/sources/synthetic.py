@@ -14,6 +14,7 @@ import dask.array as da
 import numpy as np
 
 from dasktrain.datasets.errors import SourceError
+from dasktrain.datasets.format import chunk_lengths
 from dasktrain.datasets.sources.base import (
     ArraySpec,
     BlockReader,
@@ -120,7 +121,7 @@ class SyntheticSource:
 
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         n = self.num_samples
-        chunks = tuple(min(chunk_rows, n - s) for s in range(0, n, chunk_rows))
+        chunks = chunk_lengths(n, chunk_rows)
         out = {}
         for which, (name, spec) in enumerate(self.specs.items()):
             out[name] = da.map_blocks(

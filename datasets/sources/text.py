@@ -30,6 +30,7 @@ from distributed import Client
 
 from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.errors import SourceError
+from dasktrain.datasets.format import chunk_lengths
 from dasktrain.datasets.sources.base import (
     ArraySpec,
     BlockReader,
@@ -211,7 +212,7 @@ class TextSource:
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         reader = self._reader()
         n = self.num_samples
-        chunks = tuple(min(chunk_rows, n - s) for s in range(0, n, chunk_rows))
+        chunks = chunk_lengths(n, chunk_rows)
         # Safe as a key: the scratch directory is the build's own, and what it holds a
         # pure function of the listed corpus (file versions), tokenizer and seq_len.
         token = tokenize(self.provenance, [f.row() for f in self._files], self._pieces,

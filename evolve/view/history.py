@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain.trainer.driver.files import write_atomically
+from dasktrain.trainer.driver.files import read_saved, write_atomically
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -147,17 +147,7 @@ class EvolutionHistory:
     @classmethod
     def load(cls, path: str | os.PathLike) -> EvolutionHistory:
         """Read a history written by :meth:`save`."""
-        path = Path(path)
-        try:
-            document = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not a saved EvolutionHistory (not JSON: {exc})"
-                             ) from None
-        if not isinstance(document, dict) or \
-                document.get("format") != EVOLUTION_HISTORY_FORMAT:
-            raise ValueError(f"{path} is not a saved EvolutionHistory (format "
-                             f"{EVOLUTION_HISTORY_FORMAT!r})")
-        return cls.from_dict(document["history"])
+        return cls.from_dict(read_saved(path, EVOLUTION_HISTORY_FORMAT, "EvolutionHistory"))
 
     def plot(self, kind: str = "overview") -> Figure:
         """A figure of the run: ``"overview"`` (the three below side by side),

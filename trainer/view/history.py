@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dasktrain.trainer.driver.files import write_atomically
+from dasktrain.trainer.driver.files import read_saved, write_atomically
 from dasktrain.trainer.holder.records import PER_GRADIENT, PER_UPDATE
 
 if TYPE_CHECKING:
@@ -138,15 +138,7 @@ class History:
     @classmethod
     def load(cls, path: str | os.PathLike) -> History:
         """Read a history written by :meth:`save`."""
-        path = Path(path)
-        try:
-            document = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not a saved History (not JSON: {exc})") from None
-        if not isinstance(document, dict) or document.get("format") != HISTORY_FORMAT:
-            raise ValueError(f"{path} is not a saved History (History.save writes "
-                             f"format {HISTORY_FORMAT!r})")
-        values = document["history"]
+        values = read_saved(path, HISTORY_FORMAT, "History")
         unknown = sorted(set(values) - _OWN)
         if unknown:
             raise ValueError(f"{path} holds History fields this version does not know: "
