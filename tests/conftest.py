@@ -1,12 +1,26 @@
 from __future__ import annotations
 
+import multiprocessing
+
+import dask
 import pytest
 import torch
 from distributed import Client, LocalCluster
+from distributed.utils import get_mp_context
 
 import dasktrain as dt
 
 torch.set_num_threads(1)
+
+# The clusters the tests start fork their worker processes from a server that has imported
+# torch and dasktrain once (as distributed's own suite does, with fewer modules), instead of
+# spawning each and importing them again: a killed worker is back in a fraction of a second,
+# and starting clusters no longer takes most of the suite's time. Commands run as
+# subprocesses (the CLI, examples, benchmarks) start theirs as a user's would.
+dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+get_mp_context()  # sets distributed's own preload list first; ours replaces it
+multiprocessing.get_context("forkserver").set_forkserver_preload(
+    ["distributed", "numpy", "pandas", "zarr", "dask.array", "torch", "dasktrain"])
 
 
 @pytest.fixture(scope="session")

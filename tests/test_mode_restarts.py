@@ -27,12 +27,11 @@ import torch
 from distributed import Client, LocalCluster, get_worker
 
 import dasktrain as dt
-from dasktrain._cluster import worker_info
 from dasktrain.trainer.holder import ParameterHolder
 from tests.common.builders import wait_for
 from tests.common.counting import Tally, register_tally
 from tests.common.data import indexed_dataset
-from tests.common.training import zeros_holder
+from tests.common.training import alive_workers, zeros_holder
 
 ROWS, BATCH = 480, 8  # 60 full batches an epoch: a gradient is always BATCH samples
 KILL_AFTER = 5  # the killed worker dies at its 5th batch of epoch 1 (of about 30)
@@ -153,8 +152,7 @@ def rows(trio, tmp_path_factory):
 def _holder_address(client: Client) -> str:
     """The first of the processes alive (two at least: the one an earlier test killed may
     be starting again): the ranks go to the first ones, so one runs beside the holder."""
-    client.wait_for_workers(2, timeout=60)
-    return sorted(worker_info(client))[0]
+    return alive_workers(client, 2)[0]
 
 
 def _per_epoch(history: dt.History, marks: EpochMarks) -> list[dict[str, Any]]:

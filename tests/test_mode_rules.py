@@ -21,7 +21,7 @@ from distributed import Client, LocalCluster, get_worker
 import dasktrain as dt
 from dasktrain._cluster import worker_info
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
-from tests.common.training import flat_parameters, mlp, mse, zeros, zeros_holder
+from tests.common.training import alive_workers, flat_parameters, mlp, mse, zeros, zeros_holder
 
 F32 = np.float32
 
@@ -543,8 +543,7 @@ def killing_client():
 
 def test_a_killed_slow_worker_does_not_stall_ssp(killing_client, regression, tmp_path):
     client = killing_client
-    client.wait_for_workers(2, timeout=60)
-    addresses = sorted(worker_info(client))
+    addresses = alive_workers(client, 2)
     bound = 1
     markers = str(tmp_path)
     # More losses after the kill than the fast worker can compute while the dead one

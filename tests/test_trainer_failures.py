@@ -17,7 +17,7 @@ from distributed import Client, LocalCluster
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-from tests.common.training import flat_parameters, kill_once, mlp, mse
+from tests.common.training import alive_workers, flat_parameters, kill_once, mlp, mse
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,7 @@ PATHS = {"shared": {}, "buckets": {"shared_memory": False, "bucket_bytes": 1}}
 def _holder_address(client: Client) -> str:
     """Where to put the holder, once the cluster is whole again (the nanny restarts the
     process an earlier test killed; its new address must not change the choice midway)."""
-    client.wait_for_workers(2, timeout=60)
-    return sorted(worker_info(client))[0]
+    return alive_workers(client, 2)[0]
 
 
 @pytest.mark.parametrize("path", PATHS)

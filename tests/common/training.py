@@ -88,6 +88,20 @@ def nan_on(output: torch.Tensor, target: torch.Tensor, special: float) -> torch.
 _CALLS: collections.Counter = collections.Counter()
 
 
+def alive_workers(client, workers: int) -> list[str]:
+    """The cluster's worker addresses, sorted, once at least ``workers`` of them run. The
+    nanny restarts a process a test killed; should that restart not arrive within 30 s (one
+    was seen to hang on a loaded machine), a new worker process takes its place."""
+    from dasktrain._cluster import worker_info
+
+    try:
+        client.wait_for_workers(workers, timeout=30)
+    except TimeoutError:
+        client.cluster.scale(len(client.cluster.worker_spec) + 1)
+        client.wait_for_workers(workers, timeout=90)
+    return sorted(worker_info(client))
+
+
 def kill_once(output: torch.Tensor, target: torch.Tensor, marker: str, calls: int,
               holder: str | None, on_holder: bool) -> torch.Tensor:
     """MSE; the ``calls``-th call in a process kills that process (SIGKILL), once per test
