@@ -95,6 +95,19 @@ def test_async_converges_and_records_staleness(client, regression):
     assert history.summary()["mean_staleness"] > 0
 
 
+def test_the_gap_between_epochs_is_recorded_per_worker(client, regression):
+    trainer = _trainer("sync", 2, 16, dt.optim.sgd(0.05))
+    history = trainer.fit(regression, epochs=3, client=client)
+    first, *later = history.epochs
+    assert first["gap_s"] is None and [w["gap_s"] for w in first["per_worker"]] == [None] * 2
+    for record in later:
+        gaps = [w["gap_s"] for w in record["per_worker"]]
+        # From a worker's last step of the epoch before to its first of this one: the
+        # driver's work at the boundary, the task's start, the first batch.
+        assert all(0 < g < history.wall_time for g in gaps), gaps
+        assert record["gap_s"] == max(gaps)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nonfinite_gradients_are_refused_and_counted(client, regression, mode):
     special = float(regression.y[123, 0].compute())

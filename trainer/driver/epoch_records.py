@@ -9,7 +9,7 @@ import numpy as np
 
 from dasktrain.trainer.worker.compute import MetricTotals
 
-__all__ = ["epoch_record", "merged_metrics"]
+__all__ = ["epoch_ends", "epoch_record", "merged_metrics"]
 
 
 def merged_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
@@ -20,9 +20,14 @@ def merged_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
     return totals.means()
 
 
-def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    """What epoch ``epoch`` did, over ``wall`` seconds, by the workers' ``reports``."""
+def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
+                 previous_ends: dict[int, float] | None = None) -> dict[str, Any]:
+    """What epoch ``epoch`` did, over ``wall`` seconds, by the workers' ``reports``;
+    ``previous_ends``: when each worker finished its last step of the epoch before (wall
+    clock), for the gap between the two epochs."""
     samples = sum(r["samples"] for r in reports)
+    gaps = {int(r["worker"]): _gap(r, previous_ends or {}) for r in reports}
+    known = [g for g in gaps.values() if g is not None]
     return {
         "epoch": epoch,
         "wall_s": wall,
@@ -32,6 +37,9 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float) -> dict
         "exchange_s": float(np.mean([r["exchange_s"] for r in reports]))
         if reports else None,
         "workers_finished": len(reports),
+        # The longest time a worker trained nothing between its last step of the epoch
+        # before and its first of this one (None for a fit's first epoch).
+        "gap_s": max(known) if known else None,
         # How each worker reached the holder: in its process, direct channel, actor.
         "exchange_via": dict(Counter(r["exchange_via"] for r in reports)),
         "train": merged_metrics(reports),
@@ -46,9 +54,27 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float) -> dict
              "samples_per_s": r["samples"] / r["elapsed_s"] if r["elapsed_s"] > 0 else 0.0,
              # Of the stall, the wait for the epoch's first batch (the pipeline starting).
              "first_batch_s": float(r.get("first_batch_s", 0.0)),
+             "gap_s": gaps[int(r["worker"])],
              # "shared", "local" or "tcp" over the direct channel; None without one.
              "transport": r.get("transport"),
              # Pushes sent bucket by bucket during backward (direct channel only).
              "pushes_in_buckets": int(r.get("pushes_in_buckets", 0))}
             for r in sorted(reports, key=lambda r: r["worker"])],
     }
+
+
+def epoch_ends(reports: list[dict[str, Any]]) -> dict[int, float]:
+    """When each worker finished its last step of an epoch (wall clock, its host's)."""
+    return {int(r["worker"]): float(r["last_step_at"]) for r in reports
+            if r.get("last_step_at") is not None}
+
+
+def _gap(report: dict[str, Any], previous_ends: dict[int, float]) -> float | None:
+    """Seconds ``report``'s worker trained nothing between two epochs: from its last step
+    of the one before to its first of this one (setting up its task, the driver's work at
+    the boundary, the first batch), on the worker's own clock."""
+    before = previous_ends.get(int(report["worker"]))
+    first = report.get("first_step_at")
+    if before is None or first is None:
+        return None
+    return max(float(first) - before, 0.0)

@@ -23,7 +23,7 @@ from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline import EpochPlan, Pipeline
 from dasktrain.pipeline.named import check_pair_batches
 from dasktrain.trainer.driver.checkpoint import load_checkpoint
-from dasktrain.trainer.driver.epoch_records import epoch_record
+from dasktrain.trainer.driver.epoch_records import epoch_ends, epoch_record
 from dasktrain.trainer.driver.resume import (
     check_resumable,
     checkpoint_history,
@@ -214,12 +214,14 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         load_callback_states(callbacks, state.get("callbacks") or [])
     for callback in callbacks:
         callback.on_fit_start(trainer)
+    ends: dict[int, float] = {}  # each worker's last step of the epoch before
     for epoch in range(start, epochs):
         fresh = state is None or epoch != int(state["holder"]["epoch"])
         epoch_started = time.perf_counter()
         reports = run.run_epoch(epoch, fresh)
         trainer._load(run.parameters())
-        record = epoch_record(epoch, reports, time.perf_counter() - epoch_started)
+        record = epoch_record(epoch, reports, time.perf_counter() - epoch_started, ends)
+        ends = epoch_ends(reports)
         if run.worker_config.assignment == "dynamic":
             shares = run.shares  # a list by worker: a History's JSON keeps it as it is
             record["batches_per_worker"] = [shares.get(w, 0) for w in

@@ -197,6 +197,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
     item = next(items, None)
     step = start
     retired = False
+    first_step_at = time.time() if item is not None else None  # wall clock: see epoch_records
     while item is not None:
         if claimed and retiring():
             retired = True  # hand back what is claimed, while the worker still lives
@@ -255,6 +256,7 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
     retired = retired or (claimed and retiring())
     if retired:
         items.close()  # stops the pipeline: nothing more is claimed
+    last_step_at = time.time()
     handle.request("leave", worker, retired, what=f"worker {worker} to leave")
     elapsed = time.perf_counter() - started
     return {"worker": worker, "epoch": epoch, "address": address, "steps": step - start,
@@ -266,7 +268,8 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
             "skipped_nonfinite": nonfinite,
             "exchange_via": handle.via, "transport": handle.transport, "retired": retired,
-            "pushes_in_buckets": in_buckets}
+            "pushes_in_buckets": in_buckets, "first_step_at": first_step_at,
+            "last_step_at": last_step_at if step > start else None}
 
 
 def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
