@@ -137,8 +137,7 @@ EXTRA: list[tuple[str, str, dict[str, Any]]] = [
     ("ssp s=2, as before", "ssp", {"staleness_bound": 2, "momentum_compensation": False,
                                    LR_FACTOR: WORKERS}),
 ]
-QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144,
-         "only": ["average K=4", "async", "async lr/(1+τ)", "async, as before"]}
+QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144, "only": ["average K=4", "async"]}
 
 
 def student(task: str = "teacher", kind: str = "mlp") -> torch.nn.Module:

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
@@ -112,8 +113,12 @@ def test_dataset_several_times_worker_memory_prepares_in_bounded_memory(tmp_path
     by more than a few chunks' worth, and the nanny must never have killed the worker.
     """
     limit = 320 * 2**20
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None, memory_limit=limit) as cluster, \
+    # Spawned, not forked from the suite's preloaded server (see conftest.py): the limit is
+    # set against a fresh worker process's own memory.
+    spawned = {"distributed.worker.multiprocessing-method": "spawn"}
+    with dask.config.set(spawned), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                         dashboard_address=None, memory_limit=limit) as cluster, \
             Client(cluster) as client:
         pid_before = client.run(os.getpid)
         options = {"client": client, "progress": False, "width": 32,
