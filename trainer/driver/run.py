@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _POLL = 0.5  # seconds between progress polls of the holder
 _GATHER = 10.0  # seconds to fetch a finished task's report, in elastic runs
+_FRESH = 0.25  # seconds a liveness check of the holder stands for the next call
 
 
 class FitRun:
@@ -126,6 +127,7 @@ class FitRun:
             HolderHandle(actors[0], timeout, client) if shards == 1 else
             HolderShards(actors, timeout, client))
         self.version = 0
+        self._alive_at = float("-inf")  # when the holder was last seen alive
 
     def _await_holder(self, future: Future, target: str, timeout: float) -> Any:
         """The holder actor once it is built, failing within seconds if its worker is
@@ -145,7 +147,9 @@ class FitRun:
     # -- holder calls from the driver --------------------------------------------------
     def call(self, method: str, *args: Any) -> Any:
         """Call the holder and wait, failing fast if its worker is gone."""
-        if not self.holder_alive():
+        # A liveness check is a question to the scheduler: the calls at an epoch's boundary
+        # follow each other within milliseconds, and the wait for the answer checks again.
+        if time.monotonic() - self._alive_at > _FRESH and not self.holder_alive():
             self._holder_lost()
         try:
             return self._handle.request(method, *args)
@@ -153,7 +157,10 @@ class FitRun:
             self._holder_lost()
 
     def holder_alive(self) -> bool:
-        return self._handle.holder_alive()
+        alive = self._handle.holder_alive()
+        if alive:
+            self._alive_at = time.monotonic()
+        return alive
 
     def _holder_lost(self) -> None:
         try:  # a state the holder handed over just before it died is still worth keeping
@@ -193,7 +200,8 @@ class FitRun:
                     pending.discard(future)
                     reports.extend(self._collect(future, ranks[future]))
                     future.release()  # its result is in hand: see the finally below
-                self.poll()
+                if pending:  # the last one done: the poll below serves, once
+                    self.poll()
                 if self.grows and pending:
                     self._follow_cluster(epoch, present, pending, ranks)
         except BaseException as exc:
