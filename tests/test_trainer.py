@@ -108,6 +108,30 @@ def test_the_gap_between_epochs_is_recorded_per_worker(client, regression):
         assert record["gap_s"] == max(gaps)
 
 
+def _kept_pipelines() -> list[tuple]:
+    from dasktrain.trainer.worker import kept
+
+    return [(str(fit), worker, world) for fit, worker, world in kept._KEPT]
+
+
+def test_a_static_ranks_pipeline_is_kept_between_epochs_and_let_go_after(client, regression):
+    def stop_after_first(trainer, record):
+        trainer.stop_training = True
+
+    # Stopped after epoch 0 of 3: each rank's pipeline stays kept in its process, with
+    # its head start into epoch 1 that no task takes up...
+    stopped = _trainer("sync", 2, 16, dt.optim.sgd(0.05))
+    history = stopped.fit(regression, epochs=3, client=client, callbacks=[stop_after_first])
+    assert len(history.epochs) == 1
+    left = sorted(k for found in client.run(_kept_pipelines).values() for k in found)
+    assert [(w, world) for _, w, world in left] == [(0, 2), (1, 2)]
+    # ... until the next fit's tasks close it; a fit's last epoch keeps nothing.
+    whole = _trainer("sync", 2, 16, dt.optim.sgd(0.05))
+    history = whole.fit(regression, epochs=2, client=client)
+    assert [r["gap_s"] is not None for r in history.epochs] == [False, True]
+    assert all(found == [] for found in client.run(_kept_pipelines).values())
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nonfinite_gradients_are_refused_and_counted(client, regression, mode):
     special = float(regression.y[123, 0].compute())

@@ -17,7 +17,7 @@ import pickle
 import threading
 import time
 import traceback
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import ShardedHandle, open_handle
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.modes import mode_class, worker_step_class
+from dasktrain.trainer.worker import kept
 from dasktrain.trainer.worker.compute import BatchCompute, LossScale, MetricTotals, batch_size_of
 from dasktrain.trainer.worker.notices import (
     capture_warnings,
@@ -134,7 +135,7 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
     try:
         with training():  # a closing worker waits for this to leave (see .retire)
             return _train(config, handle, flat, device, worker, address, epoch, world,
-                          started)
+                          started, kept.fit_key(holder))
     finally:
         taken_warnings(stop=True)
         handle.close()
@@ -153,8 +154,8 @@ Handle = HolderHandle | ShardedHandle
 
 
 def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.device,
-           worker: int, address: str | None, epoch: int, world: int, started: float
-           ) -> dict[str, Any]:
+           worker: int, address: str | None, epoch: int, world: int, started: float,
+           fit: Hashable) -> dict[str, Any]:
     strategy = _step_for(config, flat, epoch)
     info = handle.join(worker, address, flat.layout, into=strategy.receive_buffer(),
                        epoch=epoch)
@@ -164,13 +165,17 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
     strategy.lr_factor = float(info.get("lr_factor", 1.0))
     strategy.start(info["params"])
     version = int(info["version"])
-    # One pipeline per epoch task: a head start on the next epoch would be thrown away.
-    pipe = Pipeline(config.data, config.batch_size, rank=min(worker, world - 1),
-                    world_size=world,
-                    device=device, client=get_client(), prefetch_next_epoch=False,
-                    **config.pipeline_options)
-    pipe.set_epoch(epoch)
     claimed = config.assignment == "dynamic"
+    rank = min(worker, world - 1)
+    # A static rank's pipeline lives on in this process between the fit's epoch tasks
+    # (see .kept), with a head start into the next epoch unless this is the last one.
+    following = not claimed and epoch + 1 < len(config.epoch_steps)
+    pipe = None if claimed else kept.take(fit, rank, world)
+    if pipe is None:
+        pipe = Pipeline(config.data, config.batch_size, rank=rank, world_size=world,
+                        device=device, client=get_client(), **config.pipeline_options)
+    pipe.prefetch_next_epoch = following
+    pipe.set_epoch(epoch)
     run_ends: set[int] = set()  # the last batch of each run claimed
     if claimed:
         # Each batch's position is its index in the epoch plan: the holder's ledger knows
@@ -256,6 +261,8 @@ def _train(config: WorkerConfig, handle: Handle, flat: FlatModel, device: torch.
     retired = retired or (claimed and retiring())
     if retired:
         items.close()  # stops the pipeline: nothing more is claimed
+    elif following:
+        kept.keep(fit, rank, world, pipe)
     last_step_at = time.time()
     handle.request("leave", worker, retired, what=f"worker {worker} to leave")
     elapsed = time.perf_counter() - started
