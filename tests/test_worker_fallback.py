@@ -14,6 +14,7 @@ import torch
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.holder.actor import ParameterHolder
+from dasktrain.trainer.worker import kept
 from dasktrain.trainer.worker.compute import BatchCompute
 from dasktrain.trainer.worker.loop import WorkerConfig, _train
 from tests.common.training import mse, zeros, zeros_holder
@@ -49,7 +50,8 @@ def test_pushes_after_a_fall_back_to_the_actor_are_not_counted_as_bucketed(clien
                           mode="async", device="cpu", timeout=30)
     try:
         result = _train(worker, handle, FlatModel(worker.model(), torch.device("cpu")),
-                        torch.device("cpu"), 0, None, 0, 2, time.perf_counter())
+                        torch.device("cpu"), 0, None, 0, 2, time.perf_counter(),
+                        kept.fit_key(holder))
     finally:
         handle.close()
         holder.close().result(timeout=30)
