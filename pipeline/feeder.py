@@ -173,10 +173,7 @@ class Feeder:
                 else:
                     if not self._budget.take(unit_rows(plan, unit), self._stop):
                         return False
-                    if i == 0 and submitter.starts_here(unit):
-                        future = submitter.submit_here(plan, unit, fetcher)
-                    else:
-                        future = submitter.submit(context, plan, unit, windows)
+                    future = submitter.submit(context, plan, unit, windows)
                     self._stats.add_in_flight(1)
                 forget_windows(windows, unit.window)
                 self.handed.append(unit)

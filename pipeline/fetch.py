@@ -98,13 +98,12 @@ def fetch_unit(client: Client, future: Future, plan: EpochPlan, unit: Unit, time
 
 
 def compute_here(context: EpochContext, unit: Unit, device: torch.device,
-                 finish: Finish | None = None, *, keep_group: bool = True) -> list[Tensors]:
+                 finish: Finish | None = None) -> list[Tensors]:
     """A unit read, cut and turned into tensors on a read thread of this process
-    (``placement="consumer"``, and an iteration's first unit): one thread hop from the read
-    to the consumer. ``keep_group``: see :func:`~dasktrain.pipeline.tasks.load_window`."""
+    (``placement="consumer"``): one thread hop from the read to the consumer."""
     try:
         batches = assemble_batches(unit.pieces, unit.windows,
-                                   *[load_window(context, w, keep_group) for w in unit.windows])
+                                   *[load_window(context, w) for w in unit.windows])
     except BlockFailed as exc:
         raise PipelineError(exc.args[0]) from exc.original
     return _finished(batches, device, finish)

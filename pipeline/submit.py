@@ -93,25 +93,6 @@ class Submitter:
                                      self.transform)
         return EpochContext.pack(self.ref, plan, self.transform)
 
-    def starts_here(self, unit: Unit) -> bool:
-        """Whether ``unit``, the first of an iteration with nothing submitted ahead, is read
-        and transformed on this process's own threads (:meth:`submit_here`) rather than
-        on the cluster. The consumer waits for it either way; here it is spared the task's
-        scheduling, the context's unpickling and the transfer (about half the first
-        batch's wait). A window that other consumers share stays on the cluster, which
-        reads it once for all of them."""
-        return self.placement == "anywhere" and unit.exclusive
-
-    def submit_here(self, plan: EpochPlan, unit: Unit,
-                    threads: concurrent.futures.ThreadPoolExecutor
-                    ) -> concurrent.futures.Future[list[Tensors]]:
-        """``unit``'s batches made on ``threads``, the same as a task makes them (the same
-        plan, pieces and seeds). Its group is not kept: this process reads no more."""
-        context = EpochContext.here(f"{self.token}-{plan.epoch}", self.ref, plan,
-                                    self.transform)
-        return threads.submit(compute_here, context, unit, self.device, self.finish,
-                              keep_group=False)
-
     def submit(self, context: EpochContext, plan: EpochPlan, unit: Unit,
                windows: dict[int, Future]) -> Submitted:
         """Start a unit's work. ``windows`` holds the window reads already submitted for
@@ -148,7 +129,7 @@ class Submitter:
                 ) -> concurrent.futures.Future[list[Tensors]]:
         """The unit's batches as tensors in this process: read here, the unit's own future;
         from the cluster, a fetch thread brings them in."""
-        if self.placement == "consumer" or isinstance(future, concurrent.futures.Future):
+        if self.placement == "consumer":
             return future
         return fetcher.submit(fetch_unit, self.client, future, plan, unit, self.timeout,
                               self.device, self.finish)

@@ -189,16 +189,14 @@ def _where(plan: EpochPlan, group: int) -> str:
     return f"blocks {list(blocks)}"
 
 
-def load_window(context: EpochContext, window: int, keep_group: bool = True
-                ) -> dict[str, np.ndarray]:
+def load_window(context: EpochContext, window: int) -> dict[str, np.ndarray]:
     """Read the window's group (shuffled), and transform the window's pieces of it, each
-    with its own RNG. The group is kept for its next windows if it has any, unless
-    ``keep_group`` is false."""
+    with its own RNG."""
     tune_allocator()  # before the first large buffer of this process
     ref, plan, transform = context.open()
     span = plan.window_spans[window]
     whole = span.start == 0 and span.stop == plan.group_size(span.group)
-    group = _read_group(context, ref, plan, span.group, keep=keep_group and not whole)
+    group = _read_group(context, ref, plan, span.group, keep=not whole)
     return window_arrays(plan, transform, window, group)
 
 

@@ -426,8 +426,7 @@ def test_blocks_run_in_the_order_they_are_consumed(client, indexed):
     tasks = [(t["key"], t["worker"],
               next(s["start"] for s in t["startstops"] if s["action"] == "compute"))
              for t in stream.data if t["key"].startswith("dasktrain-")]
-    # Eleven units; the first is made in this process (see Submitter.starts_here).
-    assert sum("-window-" not in k for k, _, _ in tasks) == 10
+    assert sum("-window-" not in k for k, _, _ in tasks) == 11
     shared = {int(k.rsplit("-", 1)[1]) for k, _, _ in tasks if "-window-" in k}
     started: dict[str, list[tuple[float, int]]] = {}
     for key, worker, start in tasks:
