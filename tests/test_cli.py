@@ -10,7 +10,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.common.builders import assert_user_error, run_cli, write_npy_pair, write_table
+from tests.common.builders import (
+    assert_user_error,
+    run_cli,
+    run_cli_batch,
+    write_npy_pair,
+    write_table,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +35,7 @@ def sources(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize(("args", "fragments"), [
+BAD_INPUTS = [
     (["prepare", "{d}/missing.npy", "{out}"], ["missing.npy", "neither a file"]),
     (["prepare", "{d}/t.csv", "{out}", "--target", "nope"], ["no column 'nope'"]),
     (["prepare", "{d}/t.csv", "{out}", "--features", "a,zz", "--target", "label"],
@@ -52,13 +58,24 @@ def sources(tmp_path_factory):
     (["info", "{d}"], ["not a dasktrain dataset"]),
     (["info", "{d}/nothing.zarr"], ["no dataset"]),
     (["verify", "{d}/nothing.zarr"], ["no dataset"]),
-])
-def test_bad_input_is_one_line_and_exit_2(sources, tmp_path, args, fragments):
-    out = tmp_path / "out.zarr"
-    argv = [a.format(d=sources, out=out) for a in args]
-    assert_user_error(run_cli(*argv), *fragments)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(sources, tmp_path_factory):
+    """Every bad input's run (one interpreter for all), and the output each must not leave."""
+    outs = [tmp_path_factory.mktemp("bad") / "out.zarr" for _ in BAD_INPUTS]
+    argvs = [[a.format(d=sources, out=out) for a in args]
+             for (args, _), out in zip(BAD_INPUTS, outs, strict=True)]
+    return list(zip(run_cli_batch(argvs), outs, strict=True))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)))
+def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
+    result, out = bad_input_runs[case]
+    assert_user_error(result, *BAD_INPUTS[case][1])
     assert not out.exists()
-    leftovers = [p.name for p in tmp_path.iterdir()]
+    leftovers = [p.name for p in out.parent.iterdir()]  # no build or scratch either
     assert leftovers == [], leftovers
 
 

@@ -53,6 +53,42 @@ def run_cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedP
                           text=True, timeout=timeout, env=env, **kwargs)
 
 
+# Runs the command's entry point once per argv in one interpreter: what the user sees of
+# each (exit status, stdout, stderr) without paying the imports once per run.
+_BATCH = """
+import contextlib, io, json, logging, sys
+from dasktrain.cli.main import main
+results = []
+for argv in json.loads(sys.stdin.read()):
+    logging.root.handlers.clear()  # basicConfig binds to the stderr of its first run
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_cli_batch(argvs: list[list[str]], timeout: float = 300
+                  ) -> list[subprocess.CompletedProcess]:
+    """Each ``argv`` through the ``dasktrain`` command's entry point, all in one subprocess
+    (for the many one-line errors, which need no process of their own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "5s"}
+    done = subprocess.run([sys.executable, "-c", _BATCH], input=json.dumps(argvs),
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return [subprocess.CompletedProcess(["dasktrain", *argv], code, out, err)
+            for argv, (code, out, err) in zip(argvs, json.loads(done.stdout), strict=True)]
+
+
 def run_benchmark_quick(name: str, directory: Path, timeout: float
                         ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run ``benchmarks/<name>.py --quick`` for real in a subprocess, as a reader of the
