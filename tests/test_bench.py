@@ -25,13 +25,14 @@ def _table(stdout: str) -> list[list[str]]:
 
 
 # Those with a quick run and checks of their own elsewhere (test_bench_e2e.py,
-# test_bench_prepare.py, test_bench_text.py, test_images.py) are not run again here.
-OWN_TESTS = ("e2e", "scaling", "prepare", "images", "text")
+# test_bench_prepare.py, test_bench_text.py, test_images.py) are not run again here, nor
+# holder.py, whose step and gloo baseline the scaling benchmark runs (test_bench_e2e.py).
+OWN_TESTS = ("e2e", "scaling", "prepare", "images", "text", "holder")
 SHARED = [name for name in BENCHMARKS if name not in OWN_TESTS]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # four benchmarks, each starting its own processes
+@pytest.mark.timeout(600)  # three benchmarks, each starting its own processes
 def test_bench_quick_prints_a_table_of_ratios_with_rows_of_every_benchmark():
     result = run_cli("bench", "--quick", "--only", *SHARED, timeout=570)
     assert result.returncode == 0, result.stderr[-5000:]
@@ -47,7 +48,6 @@ def test_bench_quick_prints_a_table_of_ratios_with_rows_of_every_benchmark():
         numbers = [float(m.group(1)) for m in ratios if m.group(1)]
         assert numbers and all(n > 0 for n in numbers), (name, found)
     goals = {row[1]: row[5] for row in rows}
-    assert goals["W2 exchange, 1 MB, sync, 2 workers (ms/step)"] == "≤ 0.8x"
     assert goals["W1 data stall, C = 5 ms/batch, first epoch"] == "≤ 2 % stall"
     # Each benchmark's own report went to stderr, whole.
     for name in SHARED:

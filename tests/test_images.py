@@ -23,7 +23,7 @@ from dasktrain.pipeline.images import (
     RandomResizedCrop,
     Resize,
 )
-from tests.common.builders import assert_user_error, run_benchmark_quick, run_cli
+from tests.common.builders import assert_user_error, run_benchmark_quick, run_cli, run_cli_batch
 from tests.common.images import CLASSES, pillow_crop, pillow_decode, write_image_folder
 
 SIZE = (32, 32)  # stored size of the decoded dataset (the files are 40 x 48)
@@ -280,18 +280,17 @@ def test_crop_regions_follow_scale_and_ratio():
 
 def test_cli_errors_are_one_line_with_exit_2(client, tmp_path):
     _bad_folder(tmp_path / "folder")
-    result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "out.zarr"),
-                     "--image-size", "32", "--no-progress",
-                     "--scheduler", client.scheduler.address)
-    assert_user_error(result, "is not a readable image", "--skip-bad")
-    assert ("truncated.jpg" in result.stderr) or ("fake.png" in result.stderr)
+    folder, out = str(tmp_path / "folder"), str(tmp_path / "out.zarr")
+    cases = [(["--image-size", "32", "--no-progress", "--scheduler", client.scheduler.address],
+              ["is not a readable image", "--skip-bad"]),
+             (["--image-size", "big"], ["image_size must be N or HxW"]),
+             (["--image-storage", "encoded", "--image-size", "32"],
+              ["image_size applies to decoded storage"])]
+    results = run_cli_batch([["prepare", folder, out, *args] for args, _ in cases])
+    for result, (_, fragments) in zip(results, cases, strict=True):
+        assert_user_error(result, *fragments)
+    assert ("truncated.jpg" in results[0].stderr) or ("fake.png" in results[0].stderr)
     assert not (tmp_path / "out.zarr").exists()
-    for args, fragment in [(["--image-size", "big"], "image_size must be N or HxW"),
-                           (["--image-storage", "encoded", "--image-size", "32"],
-                            "image_size applies to decoded storage")]:
-        result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "out.zarr"),
-                         *args)
-        assert_user_error(result, fragment)
     result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "ok.zarr"),
                      "--image-size", "32", "--skip-bad", "--no-progress",
                      "--scheduler", client.scheduler.address)
