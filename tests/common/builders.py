@@ -41,12 +41,16 @@ def write_table(path: Path, rows: int = 500, seed: int = 0) -> pd.DataFrame:
     return df
 
 
-def run_cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    """Run the real ``dasktrain`` command in a subprocess."""
+def _cli_env() -> dict[str, str]:
     # Every scheduler a test names is on 127.0.0.1: one that cannot be reached in 5 s never
     # will be (the CLI would otherwise retry for Dask's default 30 s).
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "5s"}
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "5s"}
+
+
+def run_cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """Run the real ``dasktrain`` command in a subprocess."""
+    env = _cli_env()
     script = Path(sys.executable).parent / "dasktrain"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "dasktrain.cli"]
     return subprocess.run([*command, *args], capture_output=True,
@@ -80,8 +84,7 @@ def run_cli_batch(argvs: list[list[str]], timeout: float = 300
                   ) -> list[subprocess.CompletedProcess]:
     """Each ``argv`` through the ``dasktrain`` command's entry point, all in one subprocess
     (for the many one-line errors, which need no process of their own)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "5s"}
+    env = _cli_env()
     done = subprocess.run([sys.executable, "-c", _BATCH], input=json.dumps(argvs),
                           capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stderr[-5000:]

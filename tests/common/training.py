@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import dasktrain as dt
+from dasktrain._cluster import worker_info
 from dasktrain.trainer.holder.config import HolderConfig
 
 
@@ -92,8 +93,6 @@ def alive_workers(client, workers: int) -> list[str]:
     """The cluster's worker addresses, sorted, once at least ``workers`` of them run. The
     nanny restarts a process a test killed; should that restart not arrive within 30 s (one
     was seen to hang on a loaded machine), a new worker process takes its place."""
-    from dasktrain._cluster import worker_info
-
     try:
         client.wait_for_workers(workers, timeout=30)
     except TimeoutError:

@@ -202,8 +202,8 @@ class FitRun:
                     future.release()  # its result is in hand: see the finally below
                 if pending:  # the last one done: the poll below serves, once
                     self.poll()
-                if self.grows and pending:
-                    self._follow_cluster(epoch, present, pending, ranks)
+                    if self.grows:
+                        self._follow_cluster(epoch, present, pending, ranks)
         except BaseException as exc:
             self._stop_workers(list(ranks), exc)
             raise

@@ -30,9 +30,7 @@ _LOCK = threading.Lock()
 
 def fit_key(holder: Any) -> Hashable:
     """What names a fit in its tasks: its holder actor's key, or its shards' keys."""
-    if isinstance(holder, (list, tuple)):
-        return tuple(getattr(h, "key", id(h)) for h in holder)
-    return getattr(holder, "key", id(holder))
+    return tuple(h.key for h in holder) if isinstance(holder, (list, tuple)) else holder.key
 
 
 def take(fit: Hashable, worker: int, world: int) -> Pipeline | None:
