@@ -21,6 +21,7 @@ __all__ = [
     "create_arrays",
     "group_blocks",
     "plan_tasks",
+    "pooled_arrays",
     "run_tasks",
     "task_slots",
 ]
@@ -77,6 +78,11 @@ def create_arrays(group: zarr.Group, source: Source, num_samples: int, chunk_row
         )
         for name, spec in source.specs.items()
     }
+
+
+def pooled_arrays(source: Source) -> tuple[str, ...]:
+    """The arrays whose statistics are of all their values as one feature (token ids)."""
+    return tuple(name for name, spec in source.specs.items() if spec.pooled)
 
 
 def task_slots(client: Client) -> int:

@@ -124,7 +124,8 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     for name, stat in attrs["stats"].items():
         mean = np.asarray(stat["mean"]).ravel()
         std = np.asarray(stat["std"]).ravel()
-        text = (f"  {name}: mean {mean.mean():.4g} (avg over {mean.size}), "
+        over = "all values" if stat.get("pooled") else f"avg over {mean.size}"
+        text = (f"  {name}: mean {mean.mean():.4g} ({over}), "
                 f"std {std.mean():.4g}, min {np.min(stat['min']):.4g}, "
                 f"max {np.max(stat['max']):.4g}")
         # Token ids are no classes: the vocabulary is on the text line.
@@ -156,8 +157,8 @@ class VerifyReport:
         return not self.problems
 
 
-def _check_chunk(array: zarr.Array, raw: zarr.Array, name: str, index: int, chunk_rows: int
-                 ) -> tuple[Any, list[str], bool]:
+def _check_chunk(array: zarr.Array, raw: zarr.Array, name: str, index: int, chunk_rows: int,
+                 pooled: bool) -> tuple[Any, list[str], bool]:
     """Check one chunk against its record (through ``array``), then its values.
 
     Returns its summary (None when it cannot be read), the problems found and whether the
@@ -190,7 +191,7 @@ def _check_chunk(array: zarr.Array, raw: zarr.Array, name: str, index: int, chun
         if bad.any():
             problems.append(f"array {name!r} chunk {index} has {int(bad.sum())} row(s) with "
                             f"NaN or infinite values (first at row {start + int(bad.argmax())})")
-    return summary_of(block), problems, damaged
+    return summary_of(block, pooled), problems, damaged
 
 
 def _close(recorded: Any, found: Any, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
@@ -216,9 +217,11 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
             problems.append(f"array {name!r} is chunked {z.chunks}, not along samples only")
         if problems:
             continue
+        # Summarised as they were recorded: token ids over all their values
+        pooled = bool((attrs["stats"].get(name) or {}).get("pooled"))
         for index in range(math.ceil(n / z.chunks[0])):
             tasks.append(dask.delayed(_check_chunk, pure=False)(
-                z, raw, name, index, z.chunks[0]))
+                z, raw, name, index, z.chunks[0], pooled))
             owners.append(name)
     splits = attrs.get("splits") or {}
     edge = 0

@@ -13,6 +13,7 @@ from dasktrain.datasets.build_tasks import (
     create_arrays,
     group_blocks,
     plan_tasks,
+    pooled_arrays,
     run_tasks,
     task_slots,
 )
@@ -34,7 +35,8 @@ def write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockRea
     out = create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
     # Bound once, in a partial: dask would otherwise walk the arrays and the reader in the
     # arguments of every task, looking for collections (milliseconds per task).
-    write = functools.partial(write_rows, out, reader, not src.known_finite)
+    write = functools.partial(write_rows, out, reader, not src.known_finite,
+                              pooled=pooled_arrays(src))
     chunk_bytes = chunk_rows * sum(s.sample_bytes for s in src.specs.values())
     groups = plan_tasks(len(starts), chunk_bytes, task_slots(client))
     results = run_tasks(client, write,

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ClassCounts", "Moments", "merge_all", "summary_of"]
+__all__ = ["ClassCounts", "IntegerSums", "Moments", "merge_all", "summary_of"]
 
 #: Integer targets with labels in [0, _MAX_CLASSES) get per-class counts.
 _MAX_CLASSES = 100_000
@@ -61,15 +61,54 @@ def _small_integer_moments(wide: np.ndarray, rest: np.ndarray, group: int,
     return total / rows, (rows * squares - total * total) / rows
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IntegerSums:
+    """Count, sum, sum of squares, minimum and maximum of 8- or 16-bit integers, as Python
+    integers: exact, and a value more or less is one addition (a token dataset's inputs and
+    targets are the same stream but for one token at each end)."""
+
+    count: int
+    total: int
+    squares: int
+    low: int
+    high: int
+
+    @classmethod
+    def of(cls, flat: np.ndarray) -> IntegerSums | None:
+        """The sums of a 1-D array; None where it is empty, not of 8/16-bit integers or so
+        long that the int64 sums could overflow."""
+        count = len(flat)
+        if not count or flat.dtype.kind not in "iu" or flat.dtype.itemsize > 2:
+            return None
+        low, high = int(flat.min()), int(flat.max())
+        if count * max(low * low, high * high) >= 2**62:
+            return None
+        squared = np.square(flat, dtype=np.uint32 if flat.dtype.kind == "u" else np.int64)
+        return cls(count, int(np.add.reduce(flat, dtype=np.int64)),
+                   int(np.add.reduce(squared, dtype=np.int64)), low, high)
+
+    def plus(self, value: int) -> IntegerSums:
+        return IntegerSums(self.count + 1, self.total + value, self.squares + value * value,
+                           min(self.low, value), max(self.high, value))
+
+    def moments(self) -> Moments:
+        """The pooled moments (one feature) of these values."""
+        n, total = self.count, self.total
+        return Moments(n, np.array([total / n]), np.array([(n * self.squares - total * total) / n]),
+                       np.array([float(self.low)]), np.array([float(self.high)]), pooled=True)
+
+
 @dataclasses.dataclass(slots=True)
 class Moments:
-    """Count, mean, sum of squared deviations, min and max per feature (float64)."""
+    """Count, mean, sum of squared deviations, min and max per feature (float64), or, when
+    ``pooled``, of all values as one feature (see :meth:`of_all`)."""
 
     count: int
     mean: np.ndarray
     m2: np.ndarray
     minimum: np.ndarray
     maximum: np.ndarray
+    pooled: bool = False
 
     @classmethod
     def of(cls, block: np.ndarray) -> Moments:
@@ -111,6 +150,19 @@ class Moments:
                    minimum.astype(np.float64).reshape(shape),
                    maximum.astype(np.float64).reshape(shape))
 
+    @classmethod
+    def of_all(cls, block: np.ndarray) -> Moments:
+        """Moments of every value of a block as one feature (``pooled``): token ids, where a
+        position in a sequence is no feature and per-position moments are noise. 8- and
+        16-bit integers take integer sums, exact; anything else the general path."""
+        flat = np.asarray(block).reshape(-1)
+        sums = IntegerSums.of(flat)
+        if sums is not None:
+            return sums.moments()
+        found = cls.of(flat.reshape(-1, 1))
+        found.pooled = True
+        return found
+
     @property
     def finite(self) -> bool:
         """Whether every value summarised is finite.
@@ -130,7 +182,7 @@ class Moments:
         mean = self.mean + delta * (other.count / count)
         m2 = self.m2 + other.m2 + delta**2 * (self.count * other.count / count)
         return Moments(count, mean, m2, np.minimum(self.minimum, other.minimum),
-                       np.maximum(self.maximum, other.maximum))
+                       np.maximum(self.maximum, other.maximum), self.pooled)
 
     @property
     def std(self) -> np.ndarray:
@@ -144,8 +196,9 @@ class Moments:
         return (self.minimum == self.maximum) & (self.count > 0)
 
     def to_json(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean.tolist(), "std": self.std.tolist(),
-                "min": self.minimum.tolist(), "max": self.maximum.tolist()}
+        out = {"count": self.count, "mean": self.mean.tolist(), "std": self.std.tolist(),
+               "min": self.minimum.tolist(), "max": self.maximum.tolist()}
+        return {**out, "pooled": True} if self.pooled else out
 
 
 @dataclasses.dataclass(slots=True)
@@ -202,10 +255,13 @@ def _channel_moments(images: np.ndarray) -> Moments:
     return Moments(count, np.array(means), np.array(m2s), np.array(lows), np.array(highs))
 
 
-def summary_of(block: np.ndarray) -> Summary:
+def summary_of(block: np.ndarray, pooled: bool = False) -> Summary:
     """The right summary for a block: class counts for integer labels, moments per channel
     for uint8 images (samples, channels, height, width), moments of the lengths for
-    variable-length bytes (encoded images), moments otherwise."""
+    variable-length bytes (encoded images), moments otherwise; with ``pooled``, the moments
+    of all its values as one feature (token ids)."""
+    if pooled:
+        return Moments.of_all(block)
     if block.dtype == np.uint8 and block.ndim == 4:
         return _channel_moments(block)
     if block.dtype == object:

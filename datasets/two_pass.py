@@ -21,6 +21,7 @@ from dasktrain.datasets.build_tasks import (
     create_arrays,
     group_blocks,
     plan_tasks,
+    pooled_arrays,
     run_tasks,
     task_slots,
 )
@@ -97,7 +98,8 @@ def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
             "constant": np.flatnonzero(constant).tolist()}
     out = create_arrays(root, src, num_samples, chunk_rows, config.compression)
     scratch_list = [scratch[n] for n in names]
-    write = functools.partial(write_chunks, out, scratch_list, norm)
+    write = functools.partial(write_chunks, out, scratch_list, norm,
+                              pooled=pooled_arrays(src))
     layout = _layout(counts, starts, chunk_rows)
     results = run_tasks(client, write,
                         [([(j * chunk_rows, layout[j]) for j in group],)

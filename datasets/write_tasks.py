@@ -73,11 +73,12 @@ def _all_finite(summary: Summary) -> bool:
 
 
 def write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_finite: bool,
-                ranges: list[tuple[int, int]], *blocks: np.ndarray
+                ranges: list[tuple[int, int]], *blocks: np.ndarray, pooled: tuple[str, ...] = ()
                 ) -> tuple[dict[str, Summary], Written] | None:
     """One pass: write the source's rows as they are, chunk by chunk (``ranges``, with the
     source's blocks of each chunk in ``blocks`` where there is no reader), returning the
-    statistics of all of them and the chunks stored.
+    statistics of all of them (of the arrays in ``pooled``, over all their values) and the
+    chunks stored.
 
     With ``require_finite``, a chunk holding NaN or infinities is not written and None is
     returned: the caller then falls back to the cleaning (two-pass) build. The statistics
@@ -85,11 +86,14 @@ def write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_f
     """
     names = list(out)
     stored, log = record_writes(out)  # out stays: _still_wanted looks at its store
+    # A reader may summarise its rows itself, knowing how they relate (a token dataset)
+    summarise = getattr(reader, "summaries", None) or (
+        lambda rows: {name: summary_of(block, name in pooled) for name, block in rows.items()})
     total: dict[str, Summary] | None = None
     for k, (start, stop) in enumerate(ranges):
         _still_wanted(out)  # per chunk: an abandoned build stops within one chunk's time
         rows = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
-        summaries = {name: summary_of(block) for name, block in rows.items()}
+        summaries = summarise(rows)
         if require_finite and not all(_all_finite(s) for s in summaries.values()):
             return None
         _write_together(stored, slice(start, stop), rows)
@@ -140,11 +144,12 @@ def stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_names: tupl
 
 
 def write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],
-                  chunks: list[tuple[int, list[tuple[int, int]]]]
+                  chunks: list[tuple[int, list[tuple[int, int]]]], pooled: tuple[str, ...] = ()
                   ) -> tuple[dict[str, Summary], Written]:
     """Second pass: write output chunks, each ``(start, pieces)``: its rows gathered from
     the scratch arrays ``sources`` by ``pieces`` (row ranges) and normalised. Returns the
-    statistics of all of them and the chunks stored."""
+    statistics of all of them (of the arrays in ``pooled``, over all their values) and the
+    chunks stored."""
     stored, log = record_writes(out)  # out stays: _still_wanted looks at its store
     total: dict[str, Summary] | None = None
     for start, pieces in chunks:
@@ -159,7 +164,7 @@ def write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str,
                 block /= std
             blocks[name] = block
         _write_together(stored, slice(start, start + len(next(iter(blocks.values())))), blocks)
-        summaries = {name: summary_of(block) for name, block in blocks.items()}
+        summaries = {name: summary_of(block, name in pooled) for name, block in blocks.items()}
         total = summaries if total is None else {
             name: total[name].merge(summaries[name]) for name in summaries}
     assert total is not None, "a task writes at least one chunk"

@@ -97,6 +97,23 @@ def test_moments_tell_whether_every_value_is_finite(bad):
     assert not Moments.of(data).finite
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int16, np.int32, np.uint32])
+def test_pooled_moments_of_token_ids_merge_to_those_of_all_values(dtype):
+    # Token ids: one feature over every value, whatever the position; 8/16-bit ids take
+    # integer sums, wider ones the float path, and both must give numpy's figures.
+    info = np.iinfo(dtype)
+    data = np.random.default_rng(3).integers(info.min, info.max, (600, 16), endpoint=True,
+                                             dtype=dtype)
+    parts = [summary_of(data[a:b], pooled=True) for a, b in [(0, 1), (1, 250), (250, 600)]]
+    merged = merge_all(parts)
+    exact = data.astype(np.float64).ravel()
+    assert merged.pooled and merged.count == exact.size and merged.mean.shape == (1,)
+    np.testing.assert_allclose(merged.mean, [exact.mean()], rtol=1e-12)
+    np.testing.assert_allclose(merged.std, [exact.std()], rtol=1e-10)
+    assert merged.to_json()["min"] == [exact.min()] and merged.to_json()["max"] == [exact.max()]
+    assert merged.to_json()["pooled"] is True
+
+
 def test_class_counts_merge():
     labels = np.array([0, 2, 2, 5, 1, 0])
     merged = merge_all([summary_of(labels[:2]), summary_of(labels[2:])])

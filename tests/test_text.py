@@ -99,9 +99,15 @@ def test_byte_tokens_round_trip_documents_joined_by_end_of_text(client, corpus, 
     assert (f"text      byte tokenizer (257 ids), {len(want):,} tokens of 3 documents in "
             "rows of 16: x inputs, y next-token targets") in summary
     assert "classes" not in summary
-    # The statistics of the tokens are exact (integer sums): the mean of x is theirs.
-    assert ds.attrs["stats"]["x"]["mean"] == pytest.approx(
-        ds.x.compute().astype(np.float64).mean(axis=0).tolist(), rel=1e-12)
+    # The statistics of the tokens are over all of them (a position is no feature), exact
+    # (integer sums).
+    for name in ("x", "y"):
+        tokens = getattr(ds, name).compute().astype(np.float64)
+        stats = ds.attrs["stats"][name]
+        assert stats["pooled"] and stats["count"] == tokens.size
+        assert stats["mean"] == pytest.approx([tokens.mean()], rel=1e-12)
+        assert stats["std"] == pytest.approx([tokens.std()], rel=1e-10)
+    assert "x: mean" in summary and "(all values)" in summary
 
 
 def test_patterns_choose_files_and_leave_some_out(client, corpus, tmp_path):

@@ -39,6 +39,8 @@ class ArraySpec:
     item_bytes: int | None = None
     """Bytes one sample takes where its dtype cannot say: an estimate for variable-length
     bytes (dtype ``object``, e.g. encoded images), which chunk sizes are planned with."""
+    pooled: bool = False
+    """Statistics of all its values as one feature, not per position (token ids)."""
 
     @property
     def sample_bytes(self) -> int:

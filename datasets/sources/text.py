@@ -97,8 +97,8 @@ class TextSource:
             raise SourceError(f"seq_len must be a positive integer, got {self.seq_len!r}")
         self.tokenizer = get_tokenizer(options.tokenizer, options.eot_token)
         self.dtype = token_dtype(self.tokenizer.vocab_size)
-        self.specs = {"x": ArraySpec("features", self.dtype, (self.seq_len,)),
-                      "y": ArraySpec("targets", self.dtype, (self.seq_len,))}
+        self.specs = {"x": ArraySpec("features", self.dtype, (self.seq_len,), pooled=True),
+                      "y": ArraySpec("targets", self.dtype, (self.seq_len,), pooled=True)}
         self.labels: dict[str, list[str]] = {}
         self._scratch = options.scratch_dir or tempfile.mkdtemp(prefix="dasktrain-text-")
         self._path = path

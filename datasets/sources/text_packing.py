@@ -29,6 +29,7 @@ import numpy as np
 from dasktrain.datasets.errors import SourceError
 from dasktrain.datasets.sources.text_corpus import CorpusFile
 from dasktrain.datasets.sources.text_tokenize import check_version, piece_path
+from dasktrain.datasets.stats import IntegerSums, Moments
 
 __all__ = [
     "FileStream",
@@ -174,3 +175,14 @@ class PackedRows:
     def __call__(self, start: int, stop: int) -> dict[str, np.ndarray]:
         tokens = self.stream.read(start * self.seq_len, stop * self.seq_len + 1)
         return pairs(tokens, self.seq_len)
+
+    @staticmethod
+    def summaries(rows: dict[str, np.ndarray]) -> dict[str, Moments]:
+        """The pooled statistics of rows this reader gave: the inputs and targets share all
+        but one token at each end, so what they share is summed once (a tenth of writing a
+        token dataset, measured). Equal to :meth:`Moments.of_all` of each, exactly."""
+        x, y = rows["x"].reshape(-1), rows["y"].reshape(-1)
+        shared = IntegerSums.of(x[1:])  # == y[:-1]
+        if shared is None:
+            return {"x": Moments.of_all(x), "y": Moments.of_all(y)}
+        return {"x": shared.plus(int(x[0])).moments(), "y": shared.plus(int(y[-1])).moments()}
