@@ -294,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(Ratio(
             workload=f"text prepare tokens/s, stdlib .py, {label}",
             ours=f"{rate[name] / 1e6:.2f} M", baseline=f"{rate[base_name] / 1e6:.2f} M "
-            "(plain loop, one process, .npy)", ratio=ratio, goal=GOAL))
+            "(plain loop, one process, .npy)", ratio=ratio,
+            # The byte tokenizer's goal is against the loop writing the same output (below):
+            # its .npy loop writes 126 MB uncompressed, unchecked, with no statistics.
+            goal=GOAL if kind != "bytes" else "—"))
     if "dask-bytes" not in failed:
         ratio = ratio_of(rate["dask-bytes"], rate["basezarr-bytes"])
         print(f"| byte tokenizer, baseline writing the same Zarr arrays (zstd-3) | "
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             workload="text prepare tokens/s, stdlib .py, byte tokenizer, same Zarr output",
             ours=f"{rate['dask-bytes'] / 1e6:.2f} M",
             baseline=f"{rate['basezarr-bytes'] / 1e6:.2f} M (plain loop, one process, zarr)",
-            ratio=ratio))
+            ratio=ratio, goal=GOAL))
     print(file=report)
     if shell is not None:
         print(f"`dasktrain prepare CORPUS OUT --text-glob '*.py'` from the shell, byte "
