@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dasktrain.pipeline.ahead import HeadStart, submit_ahead
 from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
@@ -39,7 +39,7 @@ __all__ = ["Feeder", "Queued"]
 logger = logging.getLogger(__name__)
 
 #: A unit on its way to the consumer: its work, and its batches coming in as tensors.
-Queued = tuple[Submitted, concurrent.futures.Future[list[Tensors]]]
+Queued = tuple[Submitted, concurrent.futures.Future[Sequence[Tensors]]]
 
 _END_WAIT = 5.0  # seconds the consumer waits for the feeder to end (a few submissions)
 

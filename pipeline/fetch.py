@@ -4,8 +4,10 @@ batch over in the shape asked for."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import CancelledError
 
 import numpy as np
@@ -21,8 +23,8 @@ from dasktrain.pipeline.named import NamedBatch
 from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.tasks import BlockFailed, EpochContext, assemble_batches, load_window
 
-__all__ = ["Batch", "Delivery", "Tensors", "compute_here", "fetch_unit", "host_tensors",
-           "unit_where", "wait_for_unit"]
+__all__ = ["Batch", "Delivery", "Finishing", "Tensors", "compute_here", "fetch_unit",
+           "host_tensors", "unit_where", "wait_for_unit"]
 
 Batch = tuple[torch.Tensor, torch.Tensor] | torch.Tensor | dict[str, torch.Tensor]
 #: One batch on its way to the consumer: CPU tensors keyed by array name.
@@ -88,13 +90,67 @@ def _finished(batches: list[dict[str, np.ndarray]], device: torch.device,
     return tensors if finish is None else [finish(t) for t in tensors]
 
 
+class Finishing(Sequence[Tensors]):
+    """A unit's batches while the fetch thread finishes them in order: batch ``i`` is there
+    once it is finished, so the consumer takes a unit's first batch while the thread still
+    makes the floats of the next (at the start of an epoch, what the consumer waits for)."""
+
+    def __init__(self, tensors: list[Tensors], timeout: float) -> None:
+        self._batches: list[Tensors | None] = [None] * len(tensors)
+        self._ready = [threading.Event() for _ in tensors]
+        self._failed: BaseException | None = None
+        self._timeout = timeout
+
+    def put(self, index: int, tensors: Tensors) -> None:
+        self._batches[index] = tensors
+        self._ready[index].set()
+
+    def fail(self, exc: BaseException) -> None:
+        """The finishing failed: every batch not yet finished raises ``exc``."""
+        self._failed = exc
+        for event in self._ready:
+            event.set()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __getitem__(self, index: int) -> Tensors:  # type: ignore[override]
+        if not self._ready[index].wait(self._timeout):
+            raise PipelineError(f"batch {index} of a unit was not finished within "
+                                f"{self._timeout:.0f}s")
+        found = self._batches[index]
+        if found is None:
+            assert self._failed is not None, "a batch is set, or the finishing failed"
+            raise self._failed
+        return found
+
+
 def fetch_unit(client: Client, future: Future, plan: EpochPlan, unit: Unit, timeout: float,
-               device: torch.device, finish: Finish | None = None) -> list[Tensors]:
-    """Runs on a fetch thread: bring a unit's batches into this process as tensors (and
-    ``finish`` them), so that the consumer finds them ready instead of paying a round trip
-    per unit."""
-    return _finished(wait_for_unit(client, future, unit_where(plan, unit), timeout), device,
-                     finish)
+               device: torch.device, finish: Finish | None,
+               delivered: concurrent.futures.Future[Sequence[Tensors]]) -> None:
+    """Runs on a fetch thread: bring a unit's batches into this process as tensors, so that
+    the consumer finds them ready instead of paying a round trip per unit. ``delivered``
+    gets them as soon as they are here; with ``finish``, as a :class:`Finishing` that this
+    thread then finishes batch by batch."""
+    if not delivered.set_running_or_notify_cancel():
+        return  # the consumer let go of the unit before it was fetched
+    try:
+        tensors = [host_tensors(arrays, device) for arrays in
+                   wait_for_unit(client, future, unit_where(plan, unit), timeout)]
+    except BaseException as exc:  # handed to the consumer, which raises it
+        delivered.set_exception(exc)
+        return
+    if finish is None:
+        delivered.set_result(tensors)
+        return
+    batches = Finishing(tensors, timeout)
+    delivered.set_result(batches)
+    for index, batch in enumerate(tensors):
+        try:
+            batches.put(index, finish(batch))
+        except BaseException as exc:
+            batches.fail(exc)
+            return
 
 
 def compute_here(context: EpochContext, unit: Unit, device: torch.device,

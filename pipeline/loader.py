@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -329,8 +329,8 @@ class Pipeline:
         self._drop_ahead()
         return None
 
-    def _batches_of(self, fetched: concurrent.futures.Future[list[Tensors]], plan: EpochPlan,
-                    unit: Unit) -> list[Tensors]:
+    def _batches_of(self, fetched: concurrent.futures.Future[Sequence[Tensors]],
+                    plan: EpochPlan, unit: Unit) -> Sequence[Tensors]:
         try:
             # The fetch itself waits with a deadline; a read here has this one.
             return fetched.result(timeout=self.timeout)
@@ -401,7 +401,9 @@ class Pipeline:
                 if held is None:
                     break
                 unit = feeder.handed[done]
-                for i, tensors in enumerate(self._batches_of(held[1], plan, unit)[skip:]):
+                batches = self._batches_of(held[1], plan, unit)
+                for i in range(len(batches) - skip):
+                    tensors = batches[skip + i]  # waits while its floats are made
                     batch = self._deliver(tensors)
                     rows = len(next(iter(tensors.values())))
                     stats.record_batch(time.perf_counter() - started, rows,

@@ -10,7 +10,9 @@ shuffle settings). It fixes one *global* sequence of samples per epoch:
 
 The transform sees each group's shuffled rows in *pieces* of ``piece_rows`` rows (a multiple
 of the batch size), each with an RNG seeded by (seed, epoch, group, piece): neither the order
-nor what the transform makes of a row depends on how the work is cut into tasks.
+nor what the transform makes of a row depends on how the work is cut into tasks. The epoch's
+first piece is one batch (and the next one the rest of a regular piece), so that the first
+batch waits for one batch of transform work, not two or more.
 
 Work is cut into *windows*: runs of whole pieces of one group, the rows one task reads and
 transforms. A window holds at most ``task_rows`` rows (whole pieces, at least one), so that
@@ -149,20 +151,40 @@ class EpochPlan:
         """Seed of the RNG the transform gets for piece ``piece`` of ``group``."""
         return [self.seed, self.epoch, 2, group, piece]
 
+    def piece_starts(self, group: int) -> list[int]:
+        """Where each piece of ``group`` starts (positions in its shuffled rows), and the
+        group's size last: pieces of :attr:`piece_rows`, but the epoch's first piece is one
+        batch, which is all the first batch then waits for."""
+        n, piece = self.group_size(group), self.piece_rows
+        starts = [*range(0, n, piece), n]
+        if group == 0 and self.batch_size < min(piece, n):
+            starts.insert(1, self.batch_size)
+        return starts
+
+    def pieces_in(self, span: Window) -> list[tuple[int, int, int]]:
+        """``(piece, start, stop)`` of each piece of a window."""
+        starts = self.piece_starts(span.group)
+        first = starts.index(span.start)
+        last = starts.index(span.stop)
+        return [(k, starts[k], starts[k + 1]) for k in range(first, last)]
+
     @functools.cached_property
     def window_spans(self) -> list[Window]:
         """The windows, in epoch order: whole pieces of one group each, growing from one
         piece (with ``ramp``) to ``task_rows``."""
-        piece = self.piece_rows
-        cap = max(1, self.task_rows // piece)
+        cap = max(1, self.task_rows // self.piece_rows)
         size = 1 if self.ramp else cap
         spans = []
         for group in range(len(self.groups)):
-            n, at = self.group_size(group), 0
-            while at < n:
-                stop = min(at + size * piece, n)
-                spans.append(Window(group, at, stop))
-                at, size = stop, min(size * 2, cap)
+            starts = self.piece_starts(group)
+            at = 0
+            while at < len(starts) - 1:
+                stop = min(at + size, len(starts) - 1)
+                spans.append(Window(group, starts[at], starts[stop]))
+                # The epoch's first piece is one batch, and the rest of a piece follows it
+                # alone: the second batch waits for no more work than the first.
+                short = starts[stop] < self.piece_rows and stop < len(starts) - 1
+                at, size = stop, size if short else min(size * 2, cap)
         return spans
 
     @functools.cached_property

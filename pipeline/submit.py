@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -126,13 +127,15 @@ class Submitter:
 
     def fetched(self, future: Submitted, plan: EpochPlan, unit: Unit,
                 fetcher: concurrent.futures.ThreadPoolExecutor
-                ) -> concurrent.futures.Future[list[Tensors]]:
+                ) -> concurrent.futures.Future[Sequence[Tensors]]:
         """The unit's batches as tensors in this process: read here, the unit's own future;
-        from the cluster, a fetch thread brings them in."""
+        from the cluster, a fetch thread brings them in (see :func:`fetch_unit`)."""
         if self.placement == "consumer":
             return future
-        return fetcher.submit(fetch_unit, self.client, future, plan, unit, self.timeout,
-                              self.device, self.finish)
+        delivered: concurrent.futures.Future[Sequence[Tensors]] = concurrent.futures.Future()
+        fetcher.submit(fetch_unit, self.client, future, plan, unit, self.timeout,
+                       self.device, self.finish, delivered)
+        return delivered
 
 
 def forget_windows(windows: dict[int, Future], current: int) -> None:

@@ -121,9 +121,10 @@ def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int) -> dict[
 
 def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: int,
                 keep: bool) -> dict[str, np.ndarray]:
-    """The group's blocks, read, concatenated and shuffled; with ``keep``, kept for the
-    group's next windows, which usually run in the same process (a group is read once, not
-    once per window)."""
+    """The group's blocks, read and concatenated, in stored order (each window takes its
+    shuffled rows: the epoch's first window, one batch, then waits for a quarter of a
+    group's copy, not all of it); with ``keep``, kept for the group's next windows, which
+    usually run in the same process (a group is read once, not once per window)."""
     key = (context.digest, group)
     with _GROUPS_LOCK:
         found = _GROUPS.get(key)
@@ -134,10 +135,6 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
              for block in plan.groups[group]]
     arrays = {n: np.concatenate([p[n] for p in parts]) if len(parts) > 1 else parts[0][n]
               for n in parts[0]}
-    order = plan.group_permutation(group)
-    if order is not None:
-        # take: several times faster than fancy indexing along axis 0
-        arrays = {n: np.take(v, order, axis=0) for n, v in arrays.items()}
     if not keep:
         return arrays
     with _GROUPS_LOCK:
@@ -155,18 +152,24 @@ _GROUPS_KEEP = 2  # the group being cut into windows, and the next one
 
 def window_arrays(plan: EpochPlan, transform: Transform | None, window: int,
                   group_arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A window's rows of its (read, shuffled) group, transformed piece by piece."""
+    """A window's rows of its group (read, in stored order), shuffled and transformed piece
+    by piece."""
     span = plan.window_spans[window]
+    order = plan.group_permutation(span.group)
+
+    def rows(a: int, b: int) -> dict[str, np.ndarray]:
+        # Copies (take: several times faster than fancy indexing along axis 0): a transform
+        # may write into its arrays, and the group is kept for its next windows.
+        if order is None:
+            return {n: v[a:b].copy() for n, v in group_arrays.items()}
+        return {n: np.take(v, order[a:b], axis=0) for n, v in group_arrays.items()}
+
     if transform is None:
-        return {n: v[span.start : span.stop] for n, v in group_arrays.items()}
-    piece_rows = plan.piece_rows
+        return rows(span.start, span.stop)
     where = _where(plan, span.group)
     outs = []
-    for a in range(span.start, span.stop, piece_rows):
-        b = min(a + piece_rows, span.stop)
-        piece = a // piece_rows
-        # Copies: a transform may write into its arrays, and the group is kept for reuse.
-        arrays = {n: v[a:b].copy() for n, v in group_arrays.items()}
+    for piece, a, b in plan.pieces_in(span):
+        arrays = rows(a, b)
         rng = np.random.default_rng(plan.piece_seed(span.group, piece))
         try:
             result = transform(arrays, rng)

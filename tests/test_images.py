@@ -6,6 +6,7 @@ crop parameters. Bad files are refused by name or skipped with a count."""
 from __future__ import annotations
 
 import io
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -97,8 +98,9 @@ def _expected(pipe: dt.Pipeline, crop: RandomResizedCrop, flip: RandomHorizontal
         rows = np.concatenate([np.arange(*plan.block_range(b)) for b in blocks])
         order = plan.group_permutation(group)
         rows = rows if order is None else rows[order]
-        for piece, a in enumerate(range(0, len(rows), plan.piece_rows)):
-            chunk = rows[a:a + plan.piece_rows]
+        starts = plan.piece_starts(group)
+        for piece, (a, b) in enumerate(itertools.pairwise(starts)):
+            chunk = rows[a:b]
             rng = np.random.default_rng(plan.piece_seed(group, piece))
             boxes, flips = crop.draw(rng, len(chunk)), flip.draw(rng, len(chunk))
             for k, row in enumerate(chunk):
