@@ -88,6 +88,10 @@ class Feeder:
         self._thread.start()
 
     # -- the consumer's side ------------------------------------------------------------
+    def has_next(self) -> bool:
+        """Whether a unit (or the end of the epoch) is queued for the consumer."""
+        return not self._queue.empty()
+
     def next_unit(self, timeout: float) -> Queued | None:
         """The next unit in order, or None once the epoch is all handed over."""
         try:
