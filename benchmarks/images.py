@@ -20,9 +20,12 @@ Measured as a new user meets them: a fresh loader (or pipeline), its first epoch
 batch included. Without a step: images/s. With a simulated 30 ms step per batch
 (``time.sleep``, the CPU left free as an accelerator would): the stall (time waiting for
 the next batch / epoch wall time) and images/s. And the preparation rate, images/s both
-ways (``dt.prepare`` on the running cluster).
+ways (``dt.prepare`` on the running cluster). Each cell is the median of ``--repeats``
+epochs (3 by default), the loaders taking turns: an epoch of a few seconds on 2 shared
+cores varies by a few tens of milliseconds from one run to the next.
 
-Run: ``.venv/bin/python benchmarks/images.py`` (``--quick``: 1,024 images, for tests).
+Run: ``.venv/bin/python benchmarks/images.py`` (``--quick``: 1,024 images, one epoch each,
+for tests).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from dasktrain.pipeline.images import (
 
 IMAGES, SIDE, CROP, BATCH, STEP_S, CLASSES = 20_000, 96, 64, 128, 0.030, 10
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
-QUICK = {"images": 1_024}
+QUICK = {"images": 1_024, "repeats": 1}
 # The issue's goals (2 cores): with no step, decoded storage at 2x the DataLoader; with the
 # 30 ms step, decoded storage stalls at most 2 % and encoded storage matches the DataLoader.
 GOALS = {"no step": "≥ 2x DataLoader", "stall": "≤ 2 % stall", "encoded": "≥ 1.0x DataLoader"}
@@ -192,16 +195,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--images", type=int, default=IMAGES,
                         help=f"JPEGs in the folder (default {IMAGES:,}, the workload's)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="epochs per cell, the loaders taking turns; the median is shown")
     parser.add_argument("--prefetch", type=int,
                         help="also measure pipelines with this prefetch (tuned beside)")
-    return parse_with_quick(parser, argv, QUICK,
-                            "seconds, not minutes: 1,024 images (rough figures)")
+    args = parse_with_quick(parser, argv, QUICK,
+                            "seconds, not minutes: 1,024 images, one epoch each (rough figures)")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    rows: dict[tuple[str, str], tuple[float, float, int]] = {}
+    runs: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="dasktrain-images-") as tmp:
         folder = Path(tmp) / "folder"
         started = time.perf_counter()
@@ -224,21 +232,27 @@ def main() -> None:
                        ("uint8 batches, floats by the model's first layer", {"floats": False})]
             if args.prefetch:
                 options.append((f"prefetch={args.prefetch}", {"prefetch": args.prefetch}))
-            for step, step_s in (("no step", 0.0), ("30 ms step", STEP_S)):
-                rows[("torch DataLoader, num_workers=2", step)] = epoch(
-                    lambda: dataloader(folder), step_s)
-                for storage, ds in prepared.items():
-                    for label, kwargs in options:
-                        settle(client)
-                        rows[(f"dasktrain {storage}, {label}", step)] = epoch(
-                            lambda ds=ds, kwargs=kwargs: pipeline(ds, client, **kwargs),
-                            step_s, None if kwargs.get("floats", True) else to_float)
-    for name, result in rows.items():
-        assert result[2] == args.images, (name, result)
+            for _ in range(args.repeats):
+                for step, step_s in (("no step", 0.0), ("30 ms step", STEP_S)):
+                    runs.setdefault(("torch DataLoader, num_workers=2", step), []).append(
+                        epoch(lambda: dataloader(folder), step_s))
+                    for storage, ds in prepared.items():
+                        for label, kwargs in options:
+                            settle(client)
+                            runs.setdefault((f"dasktrain {storage}, {label}", step), []).append(
+                                epoch(lambda ds=ds, kwargs=kwargs: pipeline(ds, client,
+                                                                            **kwargs),
+                                      step_s, None if kwargs.get("floats", True) else to_float))
+    for name, results in runs.items():
+        assert all(r[2] == args.images for r in results), (name, results)
+    rows = {name: (float(np.median([r[0] for r in results])),
+                   float(np.median([r[1] for r in results])), args.images)
+            for name, results in runs.items()}
     print(f"W-images: {args.images:,} JPEGs of {SIDE}x{SIDE} (mean {mean_bytes / 1e3:.1f} KB, "
           f"made in {made:.0f} s), decode + random resized crop to {CROP}x{CROP} + flip + "
           f"float, batches of {BATCH}; {args.workers} worker processes; first epoch of a "
-          f"fresh loader, first batch included; {os.cpu_count()} CPUs, load average "
+          f"fresh loader, first batch included; median of {args.repeats} epoch(s) per cell; "
+          f"{os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at the end")
     print()
     print(f"preparation: decoded {rates['decoded']:,.0f} images/s, "
@@ -259,6 +273,8 @@ def main() -> None:
         else [f"--images {args.images}"]
     if args.prefetch:
         flags.append(f"--prefetch {args.prefetch}")
+    if not args.quick and args.repeats != 3:
+        flags.append(f"--repeats {args.repeats}")
     print("command: .venv/bin/python benchmarks/images.py " + " ".join(flags))
     if args.ratios_json:
         write_ratios(args.ratios_json, ratios(rows, rates, baseline))
