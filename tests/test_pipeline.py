@@ -241,6 +241,18 @@ def test_prefetch_bounds_blocks_and_cluster_memory(client, tmp_path):
     assert 0 < peak <= 2 * (prefetch + 1) * window_bytes < total / 10
 
 
+@pytest.mark.parametrize("placement", ["anywhere", "consumer"])
+def test_one_window_of_prefetch_goes_on_unit_after_unit(client, indexed, placement):
+    # A used-up unit's prefetch is handed back once the next batch is in hand, unless
+    # nothing is queued yet: with room for one window, that next unit needs it first.
+    pipe = dt.Pipeline(indexed, batch_size=50, seed=3, block_rows=100, prefetch=1,
+                       transform=_noise, client=client, placement=placement, timeout=30)
+    ids = np.concatenate(_ids(pipe))
+    assert sorted(ids.tolist()) == list(range(1003))
+    assert pipe.stats.blocks_done == len(pipe.plan(0).units()) > 10
+    assert pipe.stats.max_blocks_in_flight <= 2  # a window's rows: two units at the start
+
+
 def test_stats_are_reported(client, indexed):
     pipe = dt.Pipeline(indexed, batch_size=100, client=client)
     list(pipe)
