@@ -259,11 +259,17 @@ class EpochPlan:
 
     def claim_bounds(self) -> list[int]:
         """The first global batch of each window's run (batches that start in one window):
-        work claimed on demand is cut at these, so a claim reads as few windows as it can."""
+        work claimed on demand is cut at these, so a claim reads as few windows as it can.
+        The epoch's first piece (one batch, for a quick first batch in order) is not cut
+        apart: a claim of one batch would make whoever takes it push after one step."""
         offsets = self.window_offsets
         first = -(-offsets[:-1] // self.batch_size)  # the first batch starting in each
         after = -(-offsets[1:] // self.batch_size)
-        return [int(b) for b in first[(first < after) & (first < self.num_batches)]]
+        bounds = [int(b) for b in first[(first < after) & (first < self.num_batches)]]
+        split = self.piece_starts(0)
+        if len(split) > 2 and split[1] < self.piece_rows:  # the first piece was split
+            bounds = [b for b in bounds if b * self.batch_size != split[1]]
+        return bounds
 
     def window_batches(self, window: int) -> range:
         """Global batches with rows in ``window``."""
