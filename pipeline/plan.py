@@ -141,24 +141,31 @@ class EpochPlan:
         return self.batch_size * math.ceil(MIN_PIECE_ROWS / self.batch_size)
 
     def group_permutation(self, group: int) -> np.ndarray | None:
-        """Row order inside a group (None: kept as read)."""
+        """Row order inside a group (None: kept as read); read-only, made once per process
+        for the group's windows."""
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed, self.epoch, 1, group]).permutation(
-            self.group_size(group))
+        return _permutation(self.seed, self.epoch, group, self.group_size(group))
 
     def piece_seed(self, group: int, piece: int) -> list[int]:
         """Seed of the RNG the transform gets for piece ``piece`` of ``group``."""
         return [self.seed, self.epoch, 2, group, piece]
 
+    @functools.cached_property
+    def first_split(self) -> int | None:
+        """Where the epoch's first piece is cut in two, after its first batch (a position
+        in group 0), which is all the first batch then waits for; None where that piece is
+        one batch already."""
+        return self.batch_size if self.batch_size < min(self.piece_rows, self.group_size(0)) \
+            else None
+
     def piece_starts(self, group: int) -> list[int]:
         """Where each piece of ``group`` starts (positions in its shuffled rows), and the
-        group's size last: pieces of :attr:`piece_rows`, but the epoch's first piece is one
-        batch, which is all the first batch then waits for."""
-        n, piece = self.group_size(group), self.piece_rows
-        starts = [*range(0, n, piece), n]
-        if group == 0 and self.batch_size < min(piece, n):
-            starts.insert(1, self.batch_size)
+        group's size last: pieces of :attr:`piece_rows`, the epoch's first cut at
+        :attr:`first_split`."""
+        starts = [*range(0, self.group_size(group), self.piece_rows), self.group_size(group)]
+        if group == 0 and self.first_split is not None:
+            starts.insert(1, self.first_split)
         return starts
 
     def pieces_in(self, span: Window) -> list[tuple[int, int, int]]:
@@ -181,10 +188,10 @@ class EpochPlan:
             while at < len(starts) - 1:
                 stop = min(at + size, len(starts) - 1)
                 spans.append(Window(group, starts[at], starts[stop]))
-                # The epoch's first piece is one batch, and the rest of a piece follows it
-                # alone: the second batch waits for no more work than the first.
-                short = starts[stop] < self.piece_rows and stop < len(starts) - 1
-                at, size = stop, size if short else min(size * 2, cap)
+                # The rest of the split first piece follows it alone: the second batch
+                # waits for no more work than the first.
+                split = group == 0 and starts[stop] == self.first_split
+                at, size = stop, size if split else min(size * 2, cap)
         return spans
 
     @functools.cached_property
@@ -266,10 +273,8 @@ class EpochPlan:
         first = -(-offsets[:-1] // self.batch_size)  # the first batch starting in each
         after = -(-offsets[1:] // self.batch_size)
         bounds = [int(b) for b in first[(first < after) & (first < self.num_batches)]]
-        split = self.piece_starts(0)
-        if len(split) > 2 and split[1] < self.piece_rows:  # the first piece was split
-            bounds = [b for b in bounds if b * self.batch_size != split[1]]
-        return bounds
+        # The split is after batch 0: the window it opens starts batch 1
+        return bounds if self.first_split is None else [b for b in bounds if b != 1]
 
     def window_batches(self, window: int) -> range:
         """Global batches with rows in ``window``."""
@@ -277,6 +282,13 @@ class EpochPlan:
         first = int(offsets[window]) // self.batch_size
         last = min((int(offsets[window + 1]) - 1) // self.batch_size, self.num_batches - 1)
         return range(first, last + 1)
+
+
+@functools.lru_cache(maxsize=4)  # the groups a worker process is cutting into windows
+def _permutation(seed: int, epoch: int, group: int, size: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch, 1, group]).permutation(size)
+    order.flags.writeable = False
+    return order
 
 
 def run_pieces(run: range, piece: int | None) -> list[range]:

@@ -158,10 +158,11 @@ def window_arrays(plan: EpochPlan, transform: Transform | None, window: int,
     order = plan.group_permutation(span.group)
 
     def rows(a: int, b: int) -> dict[str, np.ndarray]:
-        # Copies (take: several times faster than fancy indexing along axis 0): a transform
-        # may write into its arrays, and the group is kept for its next windows.
+        # Copies where a transform follows (it may write into its arrays, and the group is
+        # kept for its next windows); take: several times faster than fancy indexing
         if order is None:
-            return {n: v[a:b].copy() for n, v in group_arrays.items()}
+            return {n: v[a:b] if transform is None else v[a:b].copy()
+                    for n, v in group_arrays.items()}
         return {n: np.take(v, order[a:b], axis=0) for n, v in group_arrays.items()}
 
     if transform is None:
