@@ -51,23 +51,24 @@ MODES = {
 
 # -- pieces that run on the cluster (they travel by reference) ---------------------------
 def _rank_and_epoch() -> tuple[int, int] | None:
-    """(worker, epoch) of the trainer task this runs in (its key names them), else None."""
-    try:
-        key = str(get_worker().get_current_task())
-    except ValueError:  # not on a Dask worker (the driver)
-        return None
-    parts = key.split("-")  # dasktrain-trainer-<worker>-epoch-<epoch>-...
-    return (int(parts[2]), int(parts[4])) if key.startswith("dasktrain-trainer-") else None
+    """(worker, epoch) of the trainer task this runs in (see trainer_place), else None."""
+    from dasktrain.trainer.worker.loop import trainer_place
+
+    return trainer_place()
 
 
 def _claim_marker(marker: Path, rank: int) -> bool:
     """Create ``marker`` naming ``rank``, unless it exists (True if this call made it)."""
+    # Written whole before it appears (a link is made or refused at once): another
+    # process that sees the marker always reads the rank.
+    draft = marker.with_name(f"{marker.name}.{os.getpid()}")
+    draft.write_text(str(rank))
     try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.link(draft, marker)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as out:
-        out.write(str(rank))
+    finally:
+        draft.unlink()
     return True
 
 
@@ -86,10 +87,21 @@ def dying_spread(output: torch.Tensor, target: torch.Tensor, holder: str, killed
     process of a worker not beside the holder dies (SIGKILL) at that worker's
     ``KILL_AFTER``-th batch of ``epoch``, once per test (the ``killed`` marker names it).
     The worker beside the holder starts ``epoch`` only once another has (``started``
-    marker): where work is claimed on demand it could otherwise take all of it."""
+    marker): where work is claimed on demand it could otherwise take all of it. The
+    others start the epoch after it only once the killed worker's task, run again,
+    computes (``back`` marker): so it surely rejoins before the fit ends."""
     del target
     task = _rank_and_epoch()
-    if task is None or task[1] != epoch or Path(killed).exists():
+    if task is None:
+        return output.mean()
+    if Path(killed).exists():
+        back = Path(f"{killed}-back")
+        if task[0] == killed_rank(killed):
+            back.touch()
+        elif task[1] == epoch + 1:
+            wait_for(back.exists, 60, "the killed worker's task to compute again")
+        return output.mean()
+    if task[1] != epoch:
         return output.mean()
     started = Path(f"{killed}-started")
     if get_worker().address == holder:
@@ -175,18 +187,18 @@ def test_a_worker_killed_mid_epoch_rejoins_and_every_batch_counts_once(trio, row
     killed, dropped = tmp_path / "killed", tmp_path / "dropped"
     waits = mode != "async"  # in async no update waits for the dead worker: no drop
     marks = EpochMarks(str(dropped))
-    # Killed in epoch 1, so that the killed process also held its worker's finished task
-    # of epoch 0: Dask must not run that one again (it would rejoin as a second worker).
+    # Killed in epoch 1 of 3: Dask runs the worker's task (one for the fit) again, which
+    # joins wherever the holder is; it must not come back twice.
     trainer = dt.Trainer(
         functools.partial(tally_after_drop, str(killed), str(dropped) if waits else None),
         functools.partial(dying_spread, holder=holder, killed=str(killed), epoch=1),
         register_tally(), mode=mode, workers=2, batch_size=BATCH, holder_worker=holder,
         progress=False, **MODES[mode])
-    history = trainer.fit(rows, epochs=2, client=trio, callbacks=[marks])
+    history = trainer.fit(rows, epochs=3, client=trio, callbacks=[marks])
 
     victim = killed_rank(killed)
     assert victim is not None  # the process really died mid-epoch
-    assert [e["epoch"] for e in history.epochs] == [0, 1]
+    assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
     rejoins = [e for e in history.events if f"worker {victim} rejoined" in e]
     assert len(rejoins) == 1, history.events  # one task came back, not two
     drops = [e for e in history.events if DROPPED.search(e)]

@@ -102,8 +102,8 @@ def test_the_gap_between_epochs_is_recorded_per_worker(client, regression):
     assert first["gap_s"] is None and [w["gap_s"] for w in first["per_worker"]] == [None] * 2
     for record in later:
         gaps = [w["gap_s"] for w in record["per_worker"]]
-        # From a worker's last step of the epoch before to its first of this one: the
-        # driver's work at the boundary, the task's start, the first batch.
+        # From a worker's last step of the epoch before to its first of this one:
+        # leaving, the holder beginning the next epoch, the first batch.
         assert all(0 < g < history.wall_time for g in gaps), gaps
         assert record["gap_s"] == max(gaps)
 
@@ -115,20 +115,27 @@ def _kept_pipelines() -> list[tuple]:
 
 
 def test_a_static_ranks_pipeline_is_kept_between_epochs_and_let_go_after(client, regression):
+    """An elastic run starts a task per worker and epoch (its workers change at epoch
+    starts): a static rank's pipeline waits in its process for the next epoch's task."""
     def stop_after_first(trainer, record):
         trainer.stop_training = True
 
     # Stopped after epoch 0 of 3: each rank's pipeline stays kept in its process, with
     # its head start into epoch 1 that no task takes up...
-    stopped = _trainer("sync", 2, 16, dt.optim.sgd(0.05))
+    stopped = _trainer("sync", (1, 2), 16, dt.optim.sgd(0.05))
     history = stopped.fit(regression, epochs=3, client=client, callbacks=[stop_after_first])
     assert len(history.epochs) == 1
     left = sorted(k for found in client.run(_kept_pipelines).values() for k in found)
     assert [(w, world) for _, w, world in left] == [(0, 2), (1, 2)]
     # ... until the next fit's tasks close it; a fit's last epoch keeps nothing.
-    whole = _trainer("sync", 2, 16, dt.optim.sgd(0.05))
+    whole = _trainer("sync", (1, 2), 16, dt.optim.sgd(0.05))
     history = whole.fit(regression, epochs=2, client=client)
     assert [r["gap_s"] is not None for r in history.epochs] == [False, True]
+    assert all(found == [] for found in client.run(_kept_pipelines).values())
+    # A fit whose tasks last the fit closes what an elastic one left too.
+    stopped.fit(regression, epochs=3, client=client, callbacks=[stop_after_first])
+    assert sum(len(found) for found in client.run(_kept_pipelines).values()) == 2
+    _trainer("sync", 2, 16, dt.optim.sgd(0.05)).fit(regression, epochs=1, client=client)
     assert all(found == [] for found in client.run(_kept_pipelines).values())
 
 

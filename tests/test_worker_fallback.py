@@ -16,6 +16,7 @@ from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.holder.actor import ParameterHolder
 from dasktrain.trainer.worker import kept
 from dasktrain.trainer.worker.compute import BatchCompute
+from dasktrain.trainer.worker.epoch import Replica
 from dasktrain.trainer.worker.loop import WorkerConfig, _train
 from tests.common.training import mse, zeros, zeros_holder
 
@@ -49,9 +50,9 @@ def test_pushes_after_a_fall_back_to_the_actor_are_not_counted_as_bucketed(clien
                           data=regression, workers=2, batch_size=16, pipeline_options={},
                           mode="async", device="cpu", timeout=30)
     try:
-        result = _train(worker, handle, FlatModel(worker.model(), torch.device("cpu")),
-                        torch.device("cpu"), 0, None, 0, 2, time.perf_counter(),
-                        kept.fit_key(holder))
+        replica = Replica(worker, handle, FlatModel(worker.model(), torch.device("cpu")),
+                          torch.device("cpu"), 0, None)
+        result = _train(replica, 0, 2, time.perf_counter(), kept.fit_key(holder))
     finally:
         handle.close()
         holder.close().result(timeout=30)

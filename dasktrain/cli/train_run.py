@@ -54,6 +54,8 @@ class _Begin(Callback):
     has started, that is after a resume was accepted: a refused resume leaves the run
     directory as it was."""
 
+    steers = False  # it only looks at the epoch's end
+
     def __init__(self, directory: RunDirectory, config: str,
                  resumed: dict[str, Any] | None) -> None:
         self.directory, self.config, self.resumed = directory, config, resumed
@@ -69,6 +71,8 @@ def _format_metrics(prefix: str, values: dict[str, Any] | None) -> list[str]:
 
 class _EpochLines(Callback):
     """One line per epoch on stdout, for runs without a progress bar (logs, CI)."""
+
+    steers = False  # it only looks at the epoch's end
 
     def __init__(self, epochs: int) -> None:
         self.epochs = epochs

@@ -39,15 +39,10 @@ def tally() -> Tally:
 
 
 def _task() -> tuple[int, int] | None:
-    """(rank, epoch) of the trainer task this runs in (its key names them), else None."""
-    from distributed import get_worker
+    """(rank, epoch) of the trainer task this runs in (see trainer_place), else None."""
+    from dasktrain.trainer.worker.loop import trainer_place
 
-    try:
-        key = str(get_worker().get_current_task())
-    except ValueError:
-        return None
-    parts = key.split("-")  # dasktrain-trainer-<rank>-epoch-<epoch>-...
-    return (int(parts[2]), int(parts[4])) if key.startswith("dasktrain-trainer-") else None
+    return trainer_place()
 
 
 _CALLS: dict[str, int] = {}

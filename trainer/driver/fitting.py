@@ -44,6 +44,7 @@ from dasktrain.trainer.view.callbacks import (
     Callback,
     RunningTrainer,
     as_callbacks,
+    steers,
     tell_exception,
 )
 from dasktrain.trainer.view.history import History
@@ -215,12 +216,20 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
     for callback in callbacks:
         callback.on_fit_start(trainer)
     ends: dict[int, float] = {}  # each worker's last step of the epoch before
+    # The next epoch begins as soon as this one is complete, while the driver validates,
+    # calls back and checkpoints on the holder's snapshot of the boundary, unless a
+    # callback may steer the run at the epoch's end (see Callback.steers).
+    steered = steers(callbacks)
+    values = None
+    epoch_started = time.perf_counter()
     for epoch in range(start, epochs):
         fresh = state is None or epoch != int(state["holder"]["epoch"])
-        epoch_started = time.perf_counter()
-        reports = run.run_epoch(epoch, fresh)
-        trainer._load(run.parameters())
-        record = epoch_record(epoch, reports, time.perf_counter() - epoch_started, ends)
+        reports = run.run_epoch(epoch, fresh, epochs - 1, queue_next=not steered)
+        values, holder_state = run.boundary(epoch)
+        trainer._load(values)
+        ended = time.perf_counter()
+        record = epoch_record(epoch, reports, ended - epoch_started, ends)
+        epoch_started = ended
         ends = epoch_ends(reports)
         if run.worker_config.assignment == "dynamic":
             shares = run.shares  # a list by worker: a History's JSON keeps it as it is
@@ -233,11 +242,17 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         history.wall_time = time.perf_counter() - started
         for callback in callbacks:  # before the save: their state goes in with it
             callback.on_epoch_end(trainer, record)
-        run.save(complete_epochs=epoch + 1)
+        # A callback that steers may have changed the holder (its learning-rate factor),
+        # which holds the next epoch until then: its state now is the one to keep.
+        run.save(complete_epochs=epoch + 1, holder_state=None if steered else holder_state)
         if trainer.stop_training:
             history.events.append(f"training stopped after epoch {epoch} by a callback")
             break
-    trainer._load(run.parameters())
+        if steered and epoch + 1 < epochs:
+            run.queue(epoch + 1)
+    run.finish()
+    # The last epoch's end (an epoch begun before a stop that no callback made is undone).
+    trainer._load(values if values is not None else run.parameters())
     for callback in callbacks:
         callback.on_fit_end(trainer, history)
 

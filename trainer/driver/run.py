@@ -1,13 +1,20 @@
-"""One ``fit`` on a cluster: place the holder, run worker tasks epoch by epoch, watch them.
+"""One ``fit`` on a cluster: place the holder, run the worker tasks, watch them.
 
 The driver (the process that called ``fit``) never touches gradients. It starts the holder
-actor, submits one worker task per trainer worker and epoch, and while they run it polls
-the holder for progress (a small message every half second), which also serves as the
-liveness check: a dead holder fails the fit at once with the checkpoint to resume from; a
-dead trainer worker is the holder's business (its barrier drops it) and Dask's (the task is
+actor, submits one worker task per trainer worker for the whole fit (per epoch in an
+elastic run, whose workers change at epoch starts), and while they run it polls the holder
+for progress (a small message every half second), which also serves as the liveness
+check: a dead holder fails the fit at once with the checkpoint to resume from; a dead
+trainer worker is the holder's business (its barrier drops it) and Dask's (the task is
 rerun and rejoins). How many trainer workers run, and where, is :mod:`.elastic`'s decision.
 
-:class:`FitRun` stays one piece of some 450 lines: its methods are the steps of one run
+Where tasks last the fit, the holder ends each epoch and begins the next one queued
+(:mod:`dasktrain.trainer.holder.turns`): the driver learns of the end from the holder,
+with a snapshot of the boundary for its validation, callbacks and checkpoint, while the
+workers train on. It queues the next epoch when the epoch starts, or only after the
+epoch-end callbacks that may steer the run (stop it, change the learning rate) returned.
+
+:class:`FitRun` stays one piece of some 570 lines: its methods are the steps of one run
 that all read and move the same state (the holder's handle and liveness, the epoch's
 tasks, the progress and checkpoint marks polled from the holder), and the failure paths
 between them (a lost holder, a failed worker) need all of it at once.
@@ -24,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from distributed import Client, Future, wait
 from distributed.client import FutureCancelledError
 
@@ -128,6 +136,12 @@ class FitRun:
             HolderShards(actors, timeout, client))
         self.version = 0
         self._alive_at = float("-inf")  # when the holder was last seen alive
+        self._fit_tasks: dict[Future, int] = {}  # tasks that last the fit, and their worker
+
+    @property
+    def one_task(self) -> bool:
+        """Each trainer worker runs one task for the whole fit (not in an elastic run)."""
+        return not self._places.elastic
 
     def _await_holder(self, future: Future, target: str, timeout: float) -> Any:
         """The holder actor once it is built, failing within seconds if its worker is
@@ -175,8 +189,13 @@ class FitRun:
         raise HolderLost(f"{who} died at version {self.version}; {where}")
 
     # -- epochs ------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, fresh: bool) -> list[dict[str, Any]]:
-        """Run every worker's share of ``epoch``; returns their reports."""
+    def run_epoch(self, epoch: int, fresh: bool, last: int, queue_next: bool = True
+                  ) -> list[dict[str, Any]]:
+        """Run every worker's share of ``epoch`` (of a fit whose last epoch is ``last``);
+        returns their reports. ``queue_next``: let the next epoch begin as soon as this
+        one is complete (else :meth:`queue` it)."""
+        if self.one_task:
+            return self._run_fit_epoch(epoch, fresh, last, queue_next)
         present, changed = self._places.start(epoch)
         if changed is not None:
             config = self.worker_config
@@ -218,15 +237,97 @@ class FitRun:
         self.poll()
         return reports
 
-    def _start(self, worker: int, epoch: int, world: int, address: str) -> Future:
-        """Submit ``worker``'s task for ``epoch`` (of ``world`` strides), placed on
-        ``address`` if it can run there."""
+    def _run_fit_epoch(self, epoch: int, fresh: bool, last: int, queue_next: bool
+                       ) -> list[dict[str, Any]]:
+        """:meth:`run_epoch` where each worker's task lasts the fit: the first epoch starts
+        them; the holder ends each epoch and begins the next one queued."""
+        try:
+            if not self._fit_tasks:
+                present, _ = self._places.start(epoch)
+                self.call("begin_epoch", epoch, fresh, self._work(epoch), present, None,
+                          self._keep)
+                self._fit_tasks = {self._start(w, epoch, present, address, last): w
+                                   for w, address in self._places.placed.items()}
+            if queue_next and epoch < last:
+                self.queue(epoch + 1)
+            while True:
+                end = self.call("epoch_end", epoch, _POLL)
+                self._check_fit_tasks()
+                if end is not None:
+                    break
+                self.poll()
+        except BaseException as exc:
+            self._stop_workers(list(self._fit_tasks), exc)
+            self._release_fit_tasks()
+            raise
+        self.poll()
+        # Taken at the epoch's end: the holder may be in the next epoch already.
+        self.shares = {int(w): int(n) for w, n in end["shares"].items()}
+        return end["reports"]
+
+    @property
+    def _keep(self) -> str:
+        """What the holder keeps of each epoch's end for the driver (see boundary)."""
+        return "state" if self.checkpoint else "params"
+
+    def queue(self, epoch: int) -> None:
+        """Let ``epoch`` begin as soon as the one before is complete (now, if it is)."""
+        self.call("begin_epoch", epoch, True, self._work(epoch), self._places.world,
+                  epoch - 1, self._keep)
+
+    def boundary(self, epoch: int) -> tuple[Any, dict[str, Any] | None]:
+        """The parameters (then buffers) at the end of ``epoch``, and the holder's whole
+        state then where the run checkpoints."""
+        if not self.one_task:  # its tasks are done: the holder is where the epoch ended
+            state = self.call("state_dict") if self.checkpoint else None
+            return self.parameters(), state
+        state = self.call("boundary", epoch)
+        values = torch.cat([state["params"], state["buffers"]]).numpy()
+        return values, (state if self.checkpoint else None)
+
+    def finish(self) -> None:
+        """The fit is over: workers waiting for another epoch end their tasks; a worker
+        still training (an epoch begun before the fit was stopped) is stopped."""
+        if not self._fit_tasks:
+            return
+        try:
+            self.call("end_fit", "the fit is over")
+            done = wait(list(self._fit_tasks), timeout=_GATHER).done
+            busy = [f for f in self._fit_tasks if f not in done]
+            if busy:
+                self._stop_workers(busy, TrainerError("the fit was stopped"))
+            for future in done:
+                self._collect(future, self._fit_tasks[future])
+        finally:
+            self._release_fit_tasks()
+
+    def _check_fit_tasks(self) -> None:
+        """A task that ended before the fit did: its failure ends the fit; one Dask gave
+        up on is no longer waited for."""
+        for future in [f for f in self._fit_tasks if f.done()]:
+            worker = self._fit_tasks.pop(future)
+            try:
+                self._collect(future, worker, give_up="give_up")
+            finally:
+                future.release()
+
+    def _release_fit_tasks(self) -> None:
+        # A finished task whose result Dask keeps runs again if its worker dies.
+        for future in self._fit_tasks:
+            future.release()
+        self._fit_tasks = {}
+
+    def _start(self, worker: int, epoch: int, world: int, address: str,
+               last: int | None = None) -> Future:
+        """Submit ``worker``'s task for ``epoch`` (of ``world`` strides; to ``last`` where
+        it lasts the fit), placed on ``address`` if it can run there."""
         extra = {"resources": {"GPU": 1}} if self._gpu else {}
+        what = f"epoch-{epoch}" if last is None else "fit"
         # A run that grows keeps one replica per Dask worker: a task whose worker goes is
         # cancelled (see _forget_gone), not rerun beside another.
         return self.client.submit(
-            run_worker, self.worker_config, self.holder, worker, epoch, world, pure=False,
-            key=f"dasktrain-trainer-{worker}-epoch-{epoch}-{time.time_ns()}",
+            run_worker, self.worker_config, self.holder, worker, epoch, world, last,
+            pure=False, key=f"dasktrain-trainer-{worker}-{what}-{time.time_ns()}",
             workers=[address], allow_other_workers=not self.grows, **extra)
 
     def _follow_cluster(self, epoch: int, present: int, pending: set[Future],
@@ -270,7 +371,8 @@ class FitRun:
         plan = self._plans.plan(epoch)
         return plan.num_batches, plan.claim_bounds()
 
-    def _collect(self, future: Future, worker: int) -> list[dict[str, Any]]:
+    def _collect(self, future: Future, worker: int, give_up: str = "drop"
+                 ) -> list[dict[str, Any]]:
         try:
             # Done: the report is there to fetch, unless the Dask worker holding it was
             # retired meanwhile (an elastic run); the holder has its work on record.
@@ -285,7 +387,7 @@ class FitRun:
                 # Its process died more often than Dask retries; the others carry on, and
                 # the barrier must not wait for it any longer.
                 self.history.events.append(f"worker {worker} given up: {exc}")
-                self.call("drop", worker, "its task was given up (KilledWorker)")
+                self.call(give_up, worker, "its task was given up (KilledWorker)")
                 return []
             failure = WorkerFailure(exc, "")  # Dask's own (cancelled, lost): no traceback
         else:
@@ -425,6 +527,9 @@ class FitRun:
 
     def close(self) -> None:
         self._pending_state = None
+        if self._fit_tasks:  # the fit failed between two epochs: its workers train on
+            self._stop_workers(list(self._fit_tasks), TrainerError("the fit failed"))
+            self._release_fit_tasks()
         self._on_living("close")
         for future in self._holder_futures:
             future.release()

@@ -108,6 +108,18 @@ class HolderHandle:
                 self._fall_back(exc)
         return info
 
+    def next_epoch(self, worker: int, after: int, address: str | None,
+                   report: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Leave epoch ``after`` with ``report`` and get what :meth:`join` answers for the
+        next epoch once the holder began it, keeping this worker's channel; None once the
+        fit is over for it."""
+        while True:
+            info = self.request("next_epoch", worker, after, address, _NEXT_WAIT, report,
+                                what=f"epoch {after + 1} for worker {worker}")
+            if not info.get("wait"):
+                return None if "end" in info else info
+            report = None  # it left with the first question
+
     def _open_channel(self, **options: Any) -> ChannelClient:
         assert self._contact is not None and self._worker is not None
         return ChannelClient(self._contact, self._worker, self._size, self.timeout,
@@ -269,6 +281,11 @@ class HolderHandle:
             return True
         self.last_workers = workers
         return self.address in workers
+
+
+#: Seconds one question for the next epoch waits at the holder before it is asked again
+#: (the driver's work at the boundary may take long: validation, callbacks).
+_NEXT_WAIT = 10.0
 
 
 class WholePush:

@@ -220,12 +220,30 @@ class ShardedHandle(_Shards):
                  for h, (a, b) in zip(self.handles, self._bounds, strict=True)]
         if any(info.get("surplus") for info in infos):
             return {"surplus": True}
-        params = np.empty(size, dtype=np.float32)
+        return self._assembled(infos)
+
+    def next_epoch(self, worker: int, after: int, address: str | None,
+                   report: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """:meth:`HolderHandle.next_epoch` of every shard at once (each begins the epoch
+        when its own part of the last one is complete), assembled as :meth:`join` does."""
+        futures = [h.call("next_epoch", worker, after, address, 0.0, report)
+                   for h in self.handles]
+        first = self.gather(futures, f"epoch {after + 1} for worker {worker}")
+        infos = [h.next_epoch(worker, after, address) if info.get("wait") else info
+                 for h, info in zip(self.handles, first, strict=True)]
+        if any(info is None or "end" in info for info in infos):
+            return None
+        return self._assembled(infos)
+
+    def _assembled(self, infos: list[dict[str, Any]]) -> dict[str, Any]:
+        """One answer from the shards' answers to a join: the parameters from their
+        slices, and the place after the last batch any shard took."""
+        params = np.empty(self._bounds[-1][1], dtype=np.float32)
         for (a, b), info in zip(self._bounds, infos, strict=True):
             params[a:b] = info["params"]
         self._versions = [int(info["version"]) for info in infos]
         return {"params": params, "version": min(self._versions), "epoch": infos[0]["epoch"],
-                "lr_factor": infos[0]["lr_factor"],
+                "lr_factor": infos[0]["lr_factor"], "world": infos[0]["world"],
                 "position": max(int(info["position"]) for info in infos), "channel": None}
 
     def share(self, adopt: Callable[[np.ndarray, np.ndarray], bool]) -> bool:
@@ -323,10 +341,16 @@ def _state(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _epoch_end(results: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """An epoch is complete once it is on every shard (each takes every worker's report)."""
+    return None if any(r is None for r in results) else results[0]
+
+
 def _pull(results: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
     return (np.concatenate([params for params, _ in results]),
             min(version for _, version in results))
 
 
 _MERGE: dict[str, Callable[[list[Any]], Any]] = {
-    "progress": _progress, "state_dict": _state, "state_at": _state, "pull": _pull}
+    "progress": _progress, "state_dict": _state, "state_at": _state, "pull": _pull,
+    "boundary": _state, "epoch_end": _epoch_end}

@@ -11,9 +11,10 @@ documented in :mod:`dasktrain.trainer.modes.base`. How it is built is
 Every public method is ``async`` and runs on the holder worker's event loop, so barriers are
 plain asyncio futures; the arithmetic runs in the serial section of :mod:`.arithmetic`.
 
-The actor stays one piece of some 530 lines because every method left reads or moves the
+The actor stays one piece of some 820 lines because every method left reads or moves the
 same version, epoch and membership state under that one serial section (the wire's calls, the
-modes' host interface, the checkpoint of that state): split further, the parts would share
+modes' host interface, the checkpoint of that state, the epoch boundaries that the workers
+and membership decide): split further, the parts would share
 that state through attributes.
 """
 
@@ -39,6 +40,7 @@ from dasktrain.trainer.holder.ledger import WorkLedger
 from dasktrain.trainer.holder.membership import Membership, Watchdog
 from dasktrain.trainer.holder.records import Records
 from dasktrain.trainer.holder.shards import shard_layouts, shard_states
+from dasktrain.trainer.holder.turns import Turns
 from dasktrain.trainer.holder.waiters import StateWaiters
 from dasktrain.trainer.modes import Contribution, get_mode, mode_class
 from dasktrain.trainer.modes.base import Adjust, Adjusted
@@ -111,6 +113,7 @@ class ParameterHolder:
                                   timeout=config.barrier_timeout)
         self._error: BaseException | None = None
         self._state_waiters = StateWaiters()
+        self._turns = Turns()  # epoch boundaries of tasks that last the fit
         self._direct = HolderChannel(
             self.exchange, self.layout, self._payload_size,
             worker_address=None if self._worker is None else self._worker.address,
@@ -235,11 +238,24 @@ class ParameterHolder:
 
     async def begin_epoch(self, epoch: int, fresh: bool = True,
                           work: tuple[int, list[int]] | None = None,
-                          present: int | None = None) -> None:
+                          present: int | None = None, after: int | None = None,
+                          keep: str | None = None) -> None:
         """Expect workers ``0..present-1`` (default: all) for ``epoch`` (``fresh=False``:
         continue a resumed epoch). ``work``: the epoch's number of batches and claim
-        bounds, where work is claimed on demand."""
+        bounds, where work is claimed on demand.
+
+        ``after``: begin it as soon as epoch ``after`` is complete (now, if it is), for
+        workers whose task lasts the fit (see :mod:`.turns`); ``keep``: what to snapshot
+        when ``epoch`` is complete, for the driver (``"params"``, ``"state"``, None)."""
         self._check_usable()
+        if after is not None and self._turns.complete < after:
+            self._turns.queued = (epoch, (epoch, fresh, work, present, keep))
+            return
+        self._begin(epoch, fresh, work, present, keep)
+
+    def _begin(self, epoch: int, fresh: bool, work: tuple[int, list[int]] | None,
+               present: int | None, keep: str | None) -> None:
+        self._turns.begin(epoch, keep)
         if fresh:
             self._epoch, self._epoch_start = epoch, self._version
         self._members.begin_epoch(present)
@@ -251,6 +267,95 @@ class ParameterHolder:
                 raise ValueError("a holder with dynamic assignment needs the epoch's work")
             self._ledger.begin(epoch, work[0], work[1], keep_done=not fresh)
             self._work_changed()
+        self._turns.changed()  # workers waiting for this epoch go on
+
+    async def _check_epoch_end(self) -> None:
+        """If the current epoch is complete: keep its boundary, begin the queued epoch."""
+        epoch = self._epoch
+        if self._turns.complete >= epoch or not self._epoch_complete():
+            return
+        keep = self._turns.keep
+        boundary = (None if keep is None else
+                    await self.serially(self._state_dict if keep == "state" else
+                                        self._boundary_values))
+        if self._turns.complete >= epoch or self._epoch != epoch:
+            return  # settled by another call while the snapshot was taken
+        self._turns.finish(epoch, boundary,
+                           {} if self._ledger is None else self._ledger.shares())
+        queued = self._turns.take_queued(epoch + 1)
+        if queued is not None:
+            self._begin(*queued)
+
+    def _epoch_complete(self) -> bool:
+        """Every stride is done (a lost worker's task comes back to finish its own), or,
+        where work is claimed, every batch is applied and nobody trains on."""
+        states = self._members.states().values()
+        if self._ledger is not None:
+            return self._ledger.finished and "active" not in states
+        return all(state in ("done", "absent") for state in states)
+
+    def _boundary_values(self) -> dict[str, Any]:
+        return {"params": self._arith.parameters.clone(),
+                "buffers": self._arith.buffers.clone(), "version": self._version,
+                "epoch": self._epoch}
+
+    async def next_epoch(self, worker: int, after: int, address: str | None,
+                         wait: float = 10.0, report: dict[str, Any] | None = None
+                         ) -> dict[str, Any]:
+        """For a worker that finished epoch ``after`` and trains on: :meth:`leave` with
+        its ``report`` (if given), then what :meth:`join` answers once an epoch after it
+        began; ``{"wait": True}`` if none did within ``wait`` seconds (the driver's
+        boundary work goes on: ask again, without the report); ``{"end": reason}`` once
+        the fit is over for it."""
+        self._check_usable()
+        self._members.check(worker)
+        if report is not None:
+            await self.leave(worker, False, report)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while self._epoch <= after and self._turns.ended is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                return {"wait": True}
+            await self._turns.wait(left)
+            self._check_usable()
+        if self._turns.ended is not None:
+            return {"end": self._turns.ended}
+        if self._members.state(worker) == "absent":
+            return {"end": f"worker {worker} has no place in epoch {self._epoch}"}
+        return await self._welcome(worker, address)
+
+    async def epoch_end(self, epoch: int, wait: float = 0.5) -> dict[str, Any] | None:
+        """The workers' reports of ``epoch`` once it is complete, else None after ``wait``
+        seconds (the driver's progress polls go on between two calls)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while self._turns.complete < epoch:
+            left = deadline - loop.time()
+            if left <= 0 or self._error is not None or self._closed:
+                return None
+            await self._turns.wait(left)
+        return {"reports": self._turns.take_reports(epoch),
+                "shares": self._turns.shares.get(epoch, {})}
+
+    async def boundary(self, epoch: int) -> dict[str, Any]:
+        """The snapshot taken when ``epoch`` was complete (given once): the parameters
+        and buffers, or the whole :meth:`state_dict` where the run checkpoints."""
+        found = self._turns.boundaries.pop(epoch, None)
+        if found is None:
+            raise TrainerError(f"no snapshot of the end of epoch {epoch} was kept")
+        return found
+
+    async def end_fit(self, reason: str) -> None:
+        """Workers asking for another epoch are told the fit is over (``reason``)."""
+        self._turns.end(reason)
+
+    async def give_up(self, worker: int, reason: str) -> None:
+        """Stop waiting for ``worker`` for the rest of the fit: its task will not come back
+        (Dask gave it up), so the epoch's end does not wait for its stride."""
+        await self.drop(worker, reason)
+        self._members.set(worker, "absent")
+        await self._check_epoch_end()
 
     async def claim(self, worker: int, epoch: int, wait: float = 2.0) -> list[int] | None:
         """The next run of the epoch's global batches for ``worker`` to train on, as
@@ -313,10 +418,22 @@ class ParameterHolder:
                 logger.info("holder: worker %d's task on %s is surplus: %s", worker, address,
                             surplus)
                 return {"surplus": True}
+        # A task that lasts the fit joins once: joining again, it is Dask's rerun of it.
+        rerun = epoch is None and worker in self._turns.joined
+        if epoch is None:
+            self._turns.joined.add(worker)
+        return {**await self._welcome(worker, address, rerun),
+                "channel": None if self._worker is not None and address ==
+                self._worker.address else await self._direct.contact(worker)}
+
+    async def _welcome(self, worker: int, address: str | None, rerun: bool = False
+                       ) -> dict[str, Any]:
+        """Make ``worker`` active; its parameters, version and place in the epoch
+        (``rerun``: it is a task of a worker that joined before, run again)."""
         before = self._members.set(worker, "active", address)
-        if before == "absent":
+        if before == "absent" and not rerun:
             self.record_event(f"worker {worker} joined on {address}")
-        if before in ("active", "lost"):
+        if before in ("active", "lost") or rerun:
             self.record_event(f"worker {worker} rejoined on {address}")
             self._give_back(worker)  # its earlier task's claims: a rerun claims anew
         self._watchdog.ensure_running()
@@ -326,12 +443,10 @@ class ParameterHolder:
             params = lease.array.copy()  # goes out through the actor: its own copy
         finally:
             lease.release()
-        local = self._worker is not None and address == self._worker.address
         recorded = self._members.position_in(worker, self._epoch)
         return {"params": params, "version": lease.version, "epoch": self._epoch,
-                "lr_factor": self._arith.lr_factor,
-                "position": self._mode.start_position(worker, recorded),
-                "channel": None if local else await self._direct.contact(worker)}
+                "lr_factor": self._arith.lr_factor, "world": self.workers,
+                "position": self._mode.start_position(worker, recorded)}
 
     async def _surplus(self, worker: int, address: str | None) -> str | None:
         """Why a task of ``worker`` joining from ``address`` has no place in an elastic run
@@ -376,14 +491,18 @@ class ParameterHolder:
         else:
             raise ValueError(f"via must be 'actor' or 'direct', got {via!r}")
 
-    async def leave(self, worker: int, retired: bool = False) -> None:
+    async def leave(self, worker: int, retired: bool = False,
+                    report: dict[str, Any] | None = None) -> None:
         """A worker finished its part of the epoch (``retired``: its Dask worker is being
-        retired, so it stopped early)."""
+        retired, so it stopped early), with its ``report`` of it for the driver."""
+        if report is not None:
+            self._turns.report(worker, report)
         self._members.set(worker, "done")
         if retired:
             self.record_event(f"worker {worker} left: its Dask worker is retiring")
         self._give_back(worker)
         await self._mode.left(worker)
+        await self._check_epoch_end()
 
     def _waited_for(self) -> set[int]:
         """Workers something waits for, that the watchdog drops if they die or go silent:
@@ -420,6 +539,7 @@ class ParameterHolder:
         self.record_event(f"worker {worker} dropped: {reason}")
         self._give_back(worker)
         await self._mode.lost(worker)
+        await self._check_epoch_end()
 
     async def notify(self, worker: int, notices: list[dict[str, str]]) -> None:
         """Warnings a worker saw (see :mod:`dasktrain.trainer.worker.notices`), for the driver."""
@@ -672,6 +792,7 @@ class ParameterHolder:
             self._watchdog.stop()
             self._mode.abort(error)
             self._state_waiters.fail(error)
+            self._turns.changed()
 
     async def close(self) -> None:
         """Stop the watchdog, the channel and the arithmetic thread."""
@@ -679,6 +800,7 @@ class ParameterHolder:
         closed = TrainerError("the parameter holder is closed")
         self._mode.abort(closed)
         self._state_waiters.fail(closed)
+        self._turns.changed()
         self._watchdog.stop()
         await self._direct.close()
         self._arith.close()

@@ -57,6 +57,12 @@ class RunningTrainer(Protocol):
 class Callback:
     """Hooks called in the driver during :meth:`Trainer.fit`; all optional."""
 
+    steers: bool = True
+    """Whether :meth:`on_epoch_end` may change the run (stop it, change the learning
+    rate): the next epoch then begins once it returned. A callback that only looks
+    (logs, plots, saves the model) says False: the next epoch then begins as soon as the
+    last one is complete, while the callback runs on that epoch's end state."""
+
     def on_fit_start(self, trainer: RunningTrainer) -> None:
         """Before the first epoch of this fit."""
 
@@ -90,6 +96,13 @@ class _EpochFunction(Callback):
 
     def on_epoch_end(self, trainer: RunningTrainer, record: dict[str, Any]) -> None:
         self.fn(trainer, record)
+
+
+def steers(callbacks: list[Callback]) -> bool:
+    """Whether any of ``callbacks`` may steer the run at an epoch's end (see
+    :attr:`Callback.steers`); one that does not override ``on_epoch_end`` does not."""
+    return any(cb.steers and type(cb).on_epoch_end is not Callback.on_epoch_end
+               for cb in callbacks)
 
 
 def as_callbacks(items: Iterable[Callback | Callable]) -> list[Callback]:
@@ -265,6 +278,8 @@ class ModelCheckpoint(_Plateau):
     storage_options
         Passed to fsspec for a ``directory`` at a URL (``s3://...``).
     """
+
+    steers = False  # it only looks at the epoch's end
 
     def __init__(self, directory: str | os.PathLike, keep_last: int = 3,
                  monitor: str | None = "val_loss", mode: str = "auto",

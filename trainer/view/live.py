@@ -91,6 +91,8 @@ class LiveView(Callback):
         Print the address on stderr when the server starts.
     """
 
+    steers = False  # it only looks at the epoch's end
+
     def __init__(self, port: int = 0, host: str = "127.0.0.1", show_url: bool = True) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an integer from 0 to 65535, got {port!r}")

@@ -70,6 +70,8 @@ class JsonLinesLogger(Callback):
     file.
     """
 
+    steers = False  # it only looks at the epoch's end
+
     def __init__(self, path: str | os.PathLike, every: int = 1) -> None:
         self.path = Path(path)
         self.every = _check_every(every)
@@ -111,6 +113,8 @@ class TensorBoardLogger(Callback):
     histogram of the epoch's staleness. ``every``: log every n-th update only. Needs the
     ``tensorboard`` package (``pip install "dasktrain[tensorboard]"``).
     """
+
+    steers = False  # it only looks at the epoch's end
 
     def __init__(self, log_dir: str | os.PathLike, every: int = 1) -> None:
         try:
@@ -192,6 +196,8 @@ class MLflowLogger(Callback):
     Inside ``with mlflow.start_run():`` (and no argument given) the fit logs to that run
     and leaves it open. Needs ``mlflow`` (``pip install "dasktrain[mlflow]"``).
     """
+
+    steers = False  # it only looks at the epoch's end
 
     def __init__(self, experiment: str | None = None, run_name: str | None = None,
                  tracking_uri: str | None = None, every: int = 1) -> None:

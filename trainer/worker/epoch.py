@@ -1,0 +1,304 @@
+"""One epoch of a trainer worker: from the holder's answer to a join to the worker's report.
+
+Per batch: forward/backward, the mode's step (:mod:`.steps`: push the gradient, or take a
+local step), the parameters the holder sends back. While a push is on its way the next
+batch is already taken from the pipeline (whose prefetch runs on the cluster), so
+communication overlaps data work. A worker with a stride of its own that pushes gradients
+in a lock-step mode may start an epoch before the holder answered for it
+(:func:`computes_ahead`): its first batch's gradient is computed meanwhile and pushed once
+the answer came. Which task runs the epochs, and how it joins and leaves, is :mod:`.loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+import time
+from collections.abc import Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from distributed import get_client
+
+from dasktrain.pipeline import Pipeline
+from dasktrain.pipeline.plan import run_pieces
+from dasktrain.trainer.errors import TrainerError
+from dasktrain.trainer.exchange.buckets import GradientReadiness
+from dasktrain.trainer.exchange.client import OutgoingPush
+from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.exchange.sharded import ShardedHandle
+from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.modes import mode_class, worker_step_class
+from dasktrain.trainer.worker.compute import LossScale, MetricTotals, batch_size_of
+from dasktrain.trainer.worker.config import WorkerConfig
+from dasktrain.trainer.worker.notices import (
+    shape_notice,
+    taken_warnings,
+)
+from dasktrain.trainer.worker.retire import retiring
+from dasktrain.trainer.worker.steps import StepContext, WorkerStep
+
+__all__ = ["CLAIMS_AHEAD", "PLACE", "Replica", "computes_ahead", "step_for", "train_epoch",
+           "trainer_place"]
+
+#: Runs of batches a worker holds claimed beyond the one it trains on (its prefetch).
+CLAIMS_AHEAD = 2
+
+
+PLACE = threading.local()  # the trainer task's (worker, epoch), in its thread
+
+
+def trainer_place() -> tuple[int, int | None] | None:
+    """``(worker, epoch)`` of the trainer task whose thread calls this (a loss, a model's
+    forward; the epoch is None while the task builds its model, before the holder named
+    it), else None: code that runs in the task can tell which replica and epoch it serves
+    (one task trains every epoch of a fit)."""
+    return getattr(PLACE, "place", None)
+
+
+def step_for(config: WorkerConfig, flat: FlatModel, epoch: int) -> WorkerStep:
+    """The mode's worker step (see :mod:`dasktrain.trainer.worker.steps`)."""
+    context = StepContext(config.optimizer, dict(config.mode_options),
+                          step_offset=sum(config.epoch_steps[:epoch]),
+                          total_steps=sum(config.epoch_steps), clip=config.clip,
+                          claimed=config.assignment == "dynamic")
+    return worker_step_class(config.mode)(flat, context)
+
+
+Handle = HolderHandle | ShardedHandle
+
+
+@dataclasses.dataclass(slots=True)
+class Replica:
+    """What a worker task keeps from one epoch to the next."""
+
+    config: WorkerConfig
+    handle: Handle
+    flat: FlatModel
+    device: torch.device
+    worker: int
+    address: str | None
+    strategy: WorkerStep | None = None
+    pipe: Pipeline | None = None
+    version: int = 0  # of the parameters the worker last received
+    asker: ThreadPoolExecutor | None = None  # asks for the next epoch while it computes
+
+
+def computes_ahead(replica: Replica) -> bool:
+    """Whether the worker takes the next epoch's first batch and computes its gradient
+    while it waits for the holder to begin that epoch: it pushes gradients in a lock-step
+    mode, on a stride of its own (it starts at the epoch's beginning, with no claim to wait
+    for). Its parameters, those of the epoch's last step, are then exactly the next
+    epoch's first ones; the gradient is pushed once the epoch began."""
+    strategy, config = replica.strategy, replica.config
+    return (config.assignment != "dynamic" and mode_class(config.mode).lockstep
+            and strategy is not None and strategy.streams)
+
+
+def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world: int,
+           started: float, following: bool, asked: Future | None = None
+           ) -> dict[str, Any] | None:
+    """Train ``epoch`` from the parameters and position in ``info`` (what the holder
+    answered to a join); returns the worker's report of it.
+
+    ``asked`` instead of ``info``: the holder's answer for the epoch is on its way (see
+    :func:`_computes_ahead`); the epoch starts at its beginning with the parameters the
+    worker has, and the answer is awaited before the first push. None if it says the
+    fit is over."""
+    config, handle, flat = replica.config, replica.handle, replica.flat
+    worker, device = replica.worker, replica.device
+    strategy = replica.strategy
+    assert strategy is not None
+    PLACE.place = (worker, epoch)
+    # Schedules of local steps count the fit's lock-step steps before this epoch.
+    strategy.context = dataclasses.replace(
+        strategy.context, step_offset=sum(config.epoch_steps[:epoch]))
+    if info is not None:
+        strategy.lr_factor = float(info.get("lr_factor", 1.0))
+        strategy.start(info["params"])
+        version, position = int(info["version"]), int(info["position"])
+    else:
+        version, position = replica.version, 0
+
+    def settle() -> bool:
+        """The holder's answer, once it is needed: False if the fit is over."""
+        nonlocal asked
+        if asked is None:
+            return True
+        answer, asked = asked.result(), None
+        if answer is None:
+            return False
+        if int(answer["epoch"]) != epoch or int(answer["position"]) != 0:
+            raise TrainerError(f"worker {worker} computed ahead for epoch {epoch} from its "
+                               f"start, but the holder began epoch {answer['epoch']} at "
+                               f"position {answer['position']}")
+        return True
+
+    claimed = config.assignment == "dynamic"
+    rank = min(worker, world - 1)
+    pipe = replica.pipe
+    if pipe is not None and pipe.world_size != world and not claimed:
+        pipe.close()
+        pipe = None
+    if pipe is None:
+        pipe = replica.pipe = Pipeline(
+            config.data, config.batch_size, rank=rank, world_size=world, device=device,
+            client=get_client(), **config.pipeline_options)
+    pipe.prefetch_next_epoch = following and not claimed
+    pipe.set_epoch(epoch)
+    run_ends: set[int] = set()  # the last batch of each run claimed
+    if claimed:
+        # Each batch's position is its index in the epoch plan: the holder's ledger knows
+        # which are done (see dasktrain.trainer.holder.ledger).
+        start, steps = 0, None
+        items: Generator[tuple[int, Any], None, None] = pipe.claiming(
+            functools.partial(_claim, handle, worker, epoch, run_ends), ahead=CLAIMS_AHEAD)
+    else:
+        plan = pipe.plan()
+        mine = len(plan.rank_batches(worker, world))
+        lockstep = mode_class(config.mode).lockstep
+        steps = math.ceil(plan.num_batches / world) if lockstep else mine
+        start = min(position, steps)
+        state = pipe.state_dict()
+        state["position"] = min(start, mine)
+        pipe.load_state_dict(state)
+        items = _stride(iter(pipe), start, mine, steps)
+    compute = wait = 0.0
+    samples = in_buckets = nonfinite = 0
+    totals = MetricTotals()
+    scale = LossScale(config.compute.precision == "fp16")
+    readiness = _readiness(strategy, handle, flat, scale)
+
+    item = next(items, None)
+    step = start
+    retired = False
+    first_step_at = time.time() if item is not None else None  # wall clock: see epoch_records
+    while item is not None:
+        if claimed and retiring():
+            retired = True  # hand back what is claimed, while the worker still lives
+            break
+        mark, batch = item
+        t0 = time.perf_counter()
+        count, loss_value = 0, 0.0
+        outgoing = None
+        if batch is not None:
+            flat.zero_grad()
+            loss, values, pair = config.compute(flat.model, batch, device)
+            if step == start and pair is not None and pair[1] is not None:
+                _tell(handle, worker, [shape_notice(*pair)])
+            count, loss_value = batch_size_of(batch), float(loss.detach())
+            if readiness is not None and asked is None:
+                outgoing = handle.begin_push(version, count, loss_value, (epoch, mark),
+                                             flat.payload())
+                readiness.arm(outgoing.ready)
+            try:
+                scale.scaled(loss).backward()
+            finally:
+                if readiness is not None:
+                    readiness.disarm()
+            if not scale.unscale(flat.grads):  # float16 overflow: skipped, scale lowered
+                count = 0
+            else:
+                samples += count
+                if math.isfinite(loss_value):
+                    totals.add({"loss": loss_value, **values}, count)
+                else:  # the holder refuses its gradient: it counts in no epoch mean
+                    nonfinite += 1
+        # A gradient on its way since backward began needs no asking what to push.
+        # Claimed work: the schedule's step is the batch's place among the epoch's lock-step
+        # steps, and a run ends where its claim did.
+        push = None if outgoing is not None else strategy.after_backward(
+            mark // world if claimed else step, count, loss_value,
+            last=mark in run_ends if claimed else step + 1 == steps)
+        step += 1
+        t1 = time.perf_counter()
+        compute += t1 - t0
+        if outgoing is not None:  # send the rest
+            future = outgoing.finish()
+            # A push begun after a fall back to the actor goes whole (see begin_push).
+            in_buckets += isinstance(outgoing, OutgoingPush)
+        elif push is None:  # a local step: nothing to exchange yet
+            item = next(items, None)
+            continue
+        elif not settle():
+            return None
+        else:
+            future = handle.push(worker, version, push.payload, push.count, push.loss,
+                                 (epoch, mark))
+        item = next(items, None)  # overlaps the exchange
+        params, version = handle.wait(future, f"worker {worker}'s update at step {step - 1}")
+        strategy.load(params)
+        _tell(handle, worker, taken_warnings())
+        wait += time.perf_counter() - t1
+    if not settle():  # it had no batch this epoch
+        return None
+    replica.version = version
+    retired = retired or (claimed and retiring())
+    if retired:
+        items.close()  # stops the pipeline: nothing more is claimed
+    last_step_at = time.time()
+    elapsed = time.perf_counter() - started
+    report = {"worker": worker, "epoch": epoch, "address": replica.address,
+            "steps": step - start,
+            "samples": samples, "compute_s": compute, "exchange_s": wait,
+            "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
+            # Of that wait, the epoch's first batch: the pipeline starting, not keeping up.
+            "first_batch_s": pipe.stats.wait_per_batch[0] if pipe.stats.wait_per_batch else 0.0,
+            "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
+            "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
+            "skipped_nonfinite": nonfinite,
+            "exchange_via": handle.via, "transport": handle.transport, "retired": retired,
+            "pushes_in_buckets": in_buckets, "first_step_at": first_step_at,
+            "last_step_at": last_step_at if step > start else None}
+    return report
+
+
+def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
+            ) -> Generator[tuple[int, Any], None, None]:
+    """A static rank's steps ``start..steps``: ``(position after it, batch)``, the batch
+    None for the steps of a lock-step epoch in which this rank has none left."""
+    for step in range(start, steps):
+        yield step + 1, (next(batches) if step < mine else None)
+    for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
+        pass
+
+
+def _claim(handle: Handle, worker: int, epoch: int, run_ends: set[int],
+           stop: threading.Event) -> range | None:
+    """The next run of global batches ``worker`` claims from the holder (on the pipeline's
+    feeder thread), its last batch added to ``run_ends``; None once the epoch has no more
+    work for it."""
+    while not stop.is_set() and not retiring():  # a retiring worker claims no more
+        run = handle.request("claim", worker, epoch, what=f"work for worker {worker}")
+        if run is None:
+            return None
+        if run:
+            claimed = range(run[0], run[1])
+            pieces = run_pieces(claimed, run[2] if len(run) > 2 else None)
+            run_ends.update(part.stop - 1 for part in pieces)
+            return claimed
+        # []: nothing free now, but what others hold may come back (a worker dies): ask again
+    return None
+
+
+def _readiness(strategy: WorkerStep, handle: Handle, flat: FlatModel,
+               scale: LossScale) -> GradientReadiness | None:
+    """Hooks that send a gradient bucket by bucket during backward, where that is exact:
+    the mode pushes plain gradients, over the direct channel, from CPU memory (on CUDA the
+    gradients still need a copy to the host after backward), without a loss scale (a scaled
+    gradient may yet be found to overflow and be skipped)."""
+    order = handle.order
+    if not strategy.streams or order is None or flat.device.type != "cpu" or scale.enabled:
+        return None
+    params = [p for _, p in flat.model.named_parameters() if p.requires_grad]
+    return GradientReadiness(params, flat.layout, order)
+
+
+def _tell(handle: Handle, worker: int, notices: list) -> None:
+    """Hand warnings to the holder, for the driver (rare: nothing is sent when none)."""
+    notices = [n for n in notices if n is not None]
+    if notices:
+        handle.request("notify", worker, notices, what=f"worker {worker}'s warnings")
