@@ -1,6 +1,6 @@
 """The head start into the next epoch: its first units, submitted with the prefetch the
-current epoch frees once it is all submitted, so that the next epoch's first batch is ready
-when it begins.
+current epoch frees once it is all submitted, and brought into the consumer's process as
+they are done, so that the next epoch's first batch is here when it begins.
 
 A head start has one owner at a time. The feeder builds it alone, unseen while it grows,
 and hands it over once, when it will add nothing more (see
@@ -10,14 +10,16 @@ keeps it for the next iteration, or releases it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from distributed import Future
 
 from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
+from dasktrain.pipeline.fetch import Tensors
 from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.submit import Submitted, Submitter, forget_windows, release
@@ -25,6 +27,10 @@ from dasktrain.pipeline.submit import Submitted, Submitter, forget_windows, rele
 __all__ = ["HeadStart", "submit_ahead"]
 
 logger = logging.getLogger(__name__)
+
+
+#: A unit's batches coming in as tensors (see Submitter.fetched).
+Fetched = concurrent.futures.Future[Sequence[Tensors]]
 
 
 @dataclasses.dataclass
@@ -35,6 +41,8 @@ class HeadStart:
     rank: int
     world_size: int
     submitted: list[tuple[Unit, Submitted]] = dataclasses.field(default_factory=list)
+    fetched: list[Fetched] = dataclasses.field(default_factory=list)
+    """Each submitted unit's batches coming into this process, where they are fetched."""
     windows: dict[int, Future] = dataclasses.field(default_factory=dict)
     rows: int = 0
     """Of the prefetch budget, held by the submitted units."""
@@ -47,21 +55,27 @@ class HeadStart:
     def release(self) -> int:
         """Let go of everything submitted; returns the number of units that were held."""
         units = len(self.submitted)
+        for fetched in self.fetched:
+            fetched.cancel()
         for _, future in self.submitted:
             release(future)
         for future in self.windows.values():
             future.release()
         self.submitted.clear()
+        self.fetched.clear()
         self.windows.clear()
         return units
 
 
 def submit_ahead(plan_for: Callable[[int], EpochPlan], epoch: int, submitter: Submitter,
                  budget: PrefetchBudget, stop: threading.Event, finishing: threading.Event,
-                 stats: PipelineStats) -> HeadStart:
+                 stats: PipelineStats,
+                 fetch: Callable[[Submitted, EpochPlan, Unit], Fetched] | None = None
+                 ) -> HeadStart:
     """Runs on the feeder: submit ``epoch``'s first units while the consumer finishes the
     current one, each as soon as prefetch is free, until the consumer stops, or is done and
-    none is left (``finishing``). Returns what was submitted, perhaps nothing."""
+    none is left (``finishing``); ``fetch`` starts bringing each in. Returns what was
+    submitted, perhaps nothing."""
     head = HeadStart(epoch, submitter.rank, submitter.world_size)
     try:
         plan = plan_for(epoch)
@@ -73,6 +87,8 @@ def submit_ahead(plan_for: Callable[[int], EpochPlan], epoch: int, submitter: Su
             future = submitter.submit(context, plan, unit, head.windows)
             forget_windows(head.windows, unit.window)
             head.submitted.append((unit, future))
+            if fetch is not None:
+                head.fetched.append(fetch(future, plan, unit))
             head.rows += rows
             stats.add_in_flight(1)
     except Exception:  # only a head start: the next epoch submits the rest itself

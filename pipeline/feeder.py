@@ -145,8 +145,13 @@ class Feeder:
         fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
         try:
             if self._feed(fetcher) and self._plan_for is not None:
-                head = submit_ahead(self._plan_for, self._plan.epoch + 1, self._submitter,
-                                    self._budget, self._stop, self._finishing, self._stats)
+                submitter = self._submitter
+                head = submit_ahead(
+                    self._plan_for, self._plan.epoch + 1, submitter, self._budget,
+                    self._stop, self._finishing, self._stats,
+                    # Brought in now, by this epoch's fetch threads (they finish their work
+                    # after shutdown): the next epoch's first batch is then here.
+                    lambda future, plan, unit: submitter.fetched(future, plan, unit, fetcher))
         finally:
             fetcher.shutdown(wait=False, cancel_futures=self._stop.is_set())
             if self._done.set_running_or_notify_cancel():
@@ -165,23 +170,29 @@ class Feeder:
         """
         plan, submitter = self._plan, self._submitter
         carried = list(self._carried.submitted) if self._carried is not None else []
+        coming = list(self._carried.fetched) if self._carried is not None else []
         windows = self._carried.windows if self._carried is not None else {}
         queued = 0
+        context: EpochContext | None = None  # made once a unit needs submitting
         try:
-            context = submitter.context(plan)
             if self._claim is not None:
-                return self._feed_claimed(fetcher, context)
+                return self._feed_claimed(fetcher, submitter.context(plan))
             for i, unit in enumerate(self._units):
+                fetched = None
                 if i < len(carried):
                     future = carried[i][1]
+                    fetched = coming[i] if i < len(coming) else None
                 else:
                     if not self._budget.take(unit_rows(plan, unit), self._stop):
                         return False
+                    # Not before: the head start's units go to the consumer first.
+                    context = context or submitter.context(plan)
                     future = submitter.submit(context, plan, unit, windows)
                     self._stats.add_in_flight(1)
                 forget_windows(windows, unit.window)
                 self.handed.append(unit)
-                self._queue.put((future, submitter.fetched(future, plan, unit, fetcher)))
+                self._queue.put((future, fetched or submitter.fetched(future, plan, unit,
+                                                                      fetcher)))
                 queued = i + 1
             return True
         except BaseException as exc:  # handed to the consumer, which raises it
@@ -189,6 +200,8 @@ class Feeder:
             return False
         finally:
             self._queue.put(None)
+            for fetched in coming[queued:]:
+                fetched.cancel()
             for _, future in carried[queued:]:  # never handed to the consumer
                 release(future)
                 self._stats.add_in_flight(-1)

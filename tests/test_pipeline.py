@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import threading
@@ -82,6 +83,10 @@ def test_next_epoch_starts_ahead_and_is_dropped_when_another_comes(client, index
     for epoch in range(3):
         np.testing.assert_array_equal(np.concatenate(_ids(pipe)), expected[epoch])
         assert pipe.stats.blocks_in_flight == 3  # the next epoch's first units, bounded
+        # ... and brought into this process before that epoch begins.
+        fetched = pipe._ahead.fetched
+        assert len(fetched) == 3
+        assert not concurrent.futures.wait(fetched, timeout=60).not_done
     pipe.set_epoch(0)  # not the epoch started ahead: that work is dropped
     assert pipe.stats.blocks_in_flight == 0
     np.testing.assert_array_equal(np.concatenate(_ids(pipe)), expected[0])
