@@ -225,9 +225,10 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
     for epoch in range(start, epochs):
         fresh = state is None or epoch != int(state["holder"]["epoch"])
         reports = run.run_epoch(epoch, fresh, epochs - 1, queue_next=not steered)
+        # An epoch lasts from the end of the one before, as the driver learns of each.
+        ended = time.perf_counter()
         values, holder_state = run.boundary(epoch)
         trainer._load(values)
-        ended = time.perf_counter()
         record = epoch_record(epoch, reports, ended - epoch_started, ends)
         epoch_started = ended
         ends = epoch_ends(reports)
