@@ -113,3 +113,24 @@ def test_a_callback_that_stops_the_fit_begins_no_further_epoch(client, regressio
     expected = one_process(regression, mlp, dt.optim.sgd(0.05), 32, 1, client)
     torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
                                atol=1e-6)
+
+
+class StopWithoutSteering(dt.Callback):
+    """Says it only looks, yet stops the fit: the next epoch began meanwhile."""
+
+    steers = False
+
+    def on_epoch_end(self, trainer: Any, record: dict[str, Any]) -> None:
+        trainer.stop_training = True
+
+
+def test_a_stop_the_next_epoch_did_not_wait_for_keeps_the_epochs_end(client, regression):
+    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode="sync", workers=2,
+                         batch_size=16, progress=False)
+    history = trainer.fit(regression, epochs=EPOCHS, client=client,
+                          callbacks=[StopWithoutSteering()])
+    assert [e["epoch"] for e in history.epochs] == [0]
+    # The model is the first epoch's end, whatever of epoch 1 was applied before the stop.
+    expected = one_process(regression, mlp, dt.optim.sgd(0.05), 32, 1, client)
+    torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
+                               atol=1e-6)

@@ -219,7 +219,7 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
     # The next epoch begins as soon as this one is complete, while the driver validates,
     # calls back and checkpoints on the holder's snapshot of the boundary, unless a
     # callback may steer the run at the epoch's end (see Callback.steers).
-    steered = steers(callbacks)
+    steered = run.steered = steers(callbacks)
     values = None
     epoch_started = time.perf_counter()
     for epoch in range(start, epochs):
@@ -243,15 +243,15 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         history.wall_time = time.perf_counter() - started
         for callback in callbacks:  # before the save: their state goes in with it
             callback.on_epoch_end(trainer, record)
-        # A callback that steers may have changed the holder (its learning-rate factor),
-        # which holds the next epoch until then: its state now is the one to keep.
-        run.save(complete_epochs=epoch + 1, holder_state=None if steered else holder_state)
+        # Where callbacks steer, the holder waited for them (they may have set its learning
+        # rate factor): the state to keep is its own now, which save takes (None).
+        run.save(complete_epochs=epoch + 1, holder_state=holder_state)
         if trainer.stop_training:
             history.events.append(f"training stopped after epoch {epoch} by a callback")
             break
         if steered and epoch + 1 < epochs:
             run.queue(epoch + 1)
-    run.finish()
+    run.finish(stopped=trainer.stop_training)
     # The last epoch's end (an epoch begun before a stop that no callback made is undone).
     trainer._load(values if values is not None else run.parameters())
     for callback in callbacks:

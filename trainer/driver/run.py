@@ -137,6 +137,8 @@ class FitRun:
         self.version = 0
         self._alive_at = float("-inf")  # when the holder was last seen alive
         self._fit_tasks: dict[Future, int] = {}  # tasks that last the fit, and their worker
+        self._started = False  # the fit's tasks were started
+        self.steered = False  # callbacks hold each next epoch: the holder's state is taken then
 
     @property
     def one_task(self) -> bool:
@@ -242,7 +244,8 @@ class FitRun:
         """:meth:`run_epoch` where each worker's task lasts the fit: the first epoch starts
         them; the holder ends each epoch and begins the next one queued."""
         try:
-            if not self._fit_tasks:
+            if not self._started:
+                self._started = True
                 present, _ = self._places.start(epoch)
                 self.call("begin_epoch", epoch, fresh, self._work(epoch), present, None,
                           self._keep)
@@ -253,6 +256,13 @@ class FitRun:
             while True:
                 end = self.call("epoch_end", epoch, _POLL)
                 self._check_fit_tasks()
+                if end is None and not self._fit_tasks:
+                    # Each worker's task ended: if this epoch is not over by now, it never
+                    # will be (a task leaves the epoch before it ends).
+                    end = self.call("epoch_end", epoch, _GATHER)
+                    if end is None:
+                        raise TrainerError(f"every trainer worker's task ended before "
+                                           f"epoch {epoch} did")
                 if end is not None:
                     break
                 self.poll()
@@ -268,27 +278,33 @@ class FitRun:
     @property
     def _keep(self) -> str:
         """What the holder keeps of each epoch's end for the driver (see boundary)."""
-        return "state" if self.checkpoint else "params"
+        return "state" if self.checkpoint and not self.steered else "params"
 
     def queue(self, epoch: int) -> None:
         """Let ``epoch`` begin as soon as the one before is complete (now, if it is)."""
+        if not self.one_task:  # each epoch's tasks begin it
+            return
         self.call("begin_epoch", epoch, True, self._work(epoch), self._places.world,
                   epoch - 1, self._keep)
 
     def boundary(self, epoch: int) -> tuple[Any, dict[str, Any] | None]:
         """The parameters (then buffers) at the end of ``epoch``, and the holder's whole
-        state then where the run checkpoints."""
+        state then where the run checkpoints (None where callbacks steer: the state to
+        keep is the holder's once they returned)."""
         if not self.one_task:  # its tasks are done: the holder is where the epoch ended
-            state = self.call("state_dict") if self.checkpoint else None
-            return self.parameters(), state
+            return self.parameters(), None
         state = self.call("boundary", epoch)
         values = torch.cat([state["params"], state["buffers"]]).numpy()
-        return values, (state if self.checkpoint else None)
+        return values, (state if self._keep == "state" else None)
 
-    def finish(self) -> None:
-        """The fit is over: workers waiting for another epoch end their tasks; a worker
-        still training (an epoch begun before the fit was stopped) is stopped."""
+    def finish(self, stopped: bool = False) -> None:
+        """The fit is over: workers waiting for another epoch end their tasks; ``stopped``
+        early, workers that began the next epoch are stopped at once."""
         if not self._fit_tasks:
+            return
+        if stopped and not self.steered:  # the next epoch began: it is not kept
+            self._stop_workers(list(self._fit_tasks), TrainerError("the fit was stopped"))
+            self._release_fit_tasks()
             return
         try:
             self.call("end_fit", "the fit is over")
