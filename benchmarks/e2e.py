@@ -123,16 +123,18 @@ def dasktrain_run(client: Client, data: dt.Dataset | str, width: int, epochs: in
     and the parameters after the first epoch."""
     after_first: dict[str, torch.Tensor] = {}
 
-    def keep_first(trainer: dt.Trainer, record: dict[str, Any]) -> None:
-        # Runs between epochs, outside the epoch's timed wall.
-        if record["epoch"] == 0:
-            after_first.update({k: v.detach().clone()
-                                for k, v in trainer.model.state_dict().items()})
+    class KeepFirst(dt.Callback):
+        steers = False  # it only looks: the next epoch does not wait for it
+
+        def on_epoch_end(self, trainer: dt.Trainer, record: dict[str, Any]) -> None:
+            if record["epoch"] == 0:
+                after_first.update({k: v.detach().clone()
+                                    for k, v in trainer.model.state_dict().items()})
 
     trainer = dt.Trainer(functools.partial(mlp, width), torch.nn.functional.mse_loss,
                          dt.optim.sgd(LR), mode="sync", workers=WORKERS, batch_size=BATCH,
                          progress=False, **options)
-    history = trainer.fit(data, epochs=epochs, client=client, callbacks=[keep_first])
+    history = trainer.fit(data, epochs=epochs, client=client, callbacks=[KeepFirst()])
     return [e["samples_per_s"] for e in history.epochs], history.epochs[-1], after_first
 
 
