@@ -28,10 +28,9 @@ compute); the step time is the median time between updates of an untimed
 warm-up ``sync`` fit of one epoch without a straggler (then a warm-up ``average`` fit: the
 first torch optimizer a worker process builds imports ``torch._dynamo``, about 1 s, which
 would otherwise land in the first timed ``average`` fit). The loss knows it runs
-in the straggler from the key of the Dask task it is called in
-(``get_worker().get_current_task()``; the trainer names its tasks
-``dasktrain-trainer-<rank>-epoch-<epoch>-...``): no global state, and the same loss object
-serves every worker; ``Trainer.evaluate`` on the driver runs in no task and never sleeps.
+in the straggler from the trainer task it is called in (``trainer_place()``, the worker and
+epoch of the trainer task whose thread calls it): no global state, and the same loss object
+serves every worker; ``Trainer.evaluate`` runs in no trainer task and never sleeps.
 Sleeping releases the CPU, as a slow GPU or a slow node would. The run reports the
 straggler's share of the last quarter of each epoch's gradients in ``async``, to show it
 took effect.
@@ -66,7 +65,6 @@ import argparse
 import functools
 import math
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -77,11 +75,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import torch
-from distributed import Client, LocalCluster, get_worker
+from distributed import Client, LocalCluster
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.trainer.worker.loop import trainer_place
 
 ROWS, FEATURES, CLASSES, HIDDEN, BATCH = 24_576, 32, 10, 128, 128
 WAVE_FEATURES, WAVE_HIDDEN = 8, 64
@@ -95,7 +94,6 @@ LR = {("teacher", "sgd"): 0.2, ("teacher", "adam"): 0.02,
       ("wave", "sgd"): 0.2, ("wave", "adam"): 0.02}
 LR_FACTOR = "lr_factor"  # a key of a configuration's options: run at lr x this
 ASSIGNMENT = "assignment"  # a key of a configuration's options: the Trainer's assignment
-_RANK = re.compile(r"dasktrain-trainer-(\d+)-epoch-")
 
 # (label, mode, options): every mode at its default settings, then the stale-gradient
 # options (staleness-scaled learning rate, delay compensation) on the modes that take them,
@@ -198,12 +196,8 @@ class StragglerLoss:
 
 
 def _rank() -> int | None:
-    try:
-        key = get_worker().get_current_task()
-    except ValueError:  # not in a Dask worker
-        return None
-    match = _RANK.match(str(key)) if key is not None else None
-    return int(match.group(1)) if match else None
+    place = trainer_place()
+    return None if place is None else place[0]
 
 
 def smoothed(history: dt.History, window: int) -> np.ndarray:
