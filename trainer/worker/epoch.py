@@ -99,13 +99,13 @@ def computes_ahead(replica: Replica) -> bool:
 
 
 def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world: int,
-           started: float, following: bool, asked: Future | None = None
-           ) -> dict[str, Any] | None:
+                started: float, following: bool, asked: Future | None = None
+                ) -> dict[str, Any] | None:
     """Train ``epoch`` from the parameters and position in ``info`` (what the holder
     answered to a join); returns the worker's report of it.
 
     ``asked`` instead of ``info``: the holder's answer for the epoch is on its way (see
-    :func:`_computes_ahead`); the epoch starts at its beginning with the parameters the
+    :func:`computes_ahead`); the epoch starts at its beginning with the parameters the
     worker has, and the answer is awaited before the first push. None if it says the
     fit is over."""
     config, handle, flat = replica.config, replica.handle, replica.flat
@@ -223,7 +223,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
         elif push is None:  # a local step: nothing to exchange yet
             item = next(items, None)
             continue
-        elif not settle():
+        elif asked is not None and not settle():  # the first push of an epoch computed ahead
             return None
         else:
             future = handle.push(worker, version, push.payload, push.count, push.loss,

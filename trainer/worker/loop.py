@@ -154,12 +154,11 @@ def _train(replica: Replica, epoch: int, world: int, started: float, fit: Hashab
 
 def _train_fit(replica: Replica, last: int, started: float) -> dict[str, Any]:
     """Every epoch from the holder's current one to ``last``, in this task."""
-    found: dict[str, Any] | None = _join(replica, None, None)
-    assert found is not None
-    if found.get("surplus"):
+    info: dict[str, Any] | None = _join(replica, None, None)
+    assert info is not None  # (typed for the epochs after, whose answer may not be in yet)
+    if info.get("surplus"):
         return {"worker": replica.worker, "surplus": True}
-    info: dict[str, Any] | None = found
-    epoch, world = int(found["epoch"]), int(found["world"])
+    epoch, world = int(info["epoch"]), int(info["world"])
     asked: Future | None = None
     epochs = 0
     try:
