@@ -39,6 +39,9 @@ orders).
 
 Run: ``.venv/bin/python benchmarks/e2e.py`` (``--hidden 512 1024 --epochs 3 --repeats 3
 --hosts one two``; ``--quick``: the small model, 20,000 rows, 2 epochs, once).
+``--link-rate 3gbit`` limits the link between the two hosts (tc's token bucket, each way),
+so that moving bytes takes time on a wire rather than the processors' time;
+``--whole-gradient`` also runs dasktrain with the gradient and the reply each in one piece.
 ``dasktrain bench`` runs it among the others.
 """
 
@@ -241,11 +244,13 @@ class TwoHosts:
     fit's driver on the first; DDP's ranks start on each for each run. All gone at
     :meth:`close`."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, link_rate: str | None = None) -> None:
         self._stack = contextlib.ExitStack()
         self._runs = 0
         try:
             self.hosts = self._stack.enter_context(Hosts(2))
+            if link_rate is not None:
+                self.hosts.limit_rate(link_rate)
             self.cluster = self._stack.enter_context(
                 HostCluster(self.hosts, [1, 1], directory=directory))
             # Started as a user's own process would be (see baseline_environment): the
@@ -308,7 +313,7 @@ def settings(args: argparse.Namespace, client: Client, data: dt.Dataset, path: s
             lambda width: ddp_run(path, width, epochs)))
     if "two" in args.hosts:
         try:
-            two = TwoHosts(str(Path(path).parent / "hosts"))
+            two = TwoHosts(str(Path(path).parent / "hosts"), args.link_rate)
         except HostsUnavailable as exc:
             note = (f"no second host here ({exc}): the cross-host setting ran on one host "
                     "with shared_memory=False, the path a worker on another host takes")
@@ -320,7 +325,8 @@ def settings(args: argparse.Namespace, client: Client, data: dt.Dataset, path: s
         else:
             stack.callback(two.close)
             found.append(Setting(
-                "two", "across 2 hosts", "DDP over gloo across 2 hosts, data in memory",
+                "two", "across 2 hosts" + (f", {args.link_rate} link" if args.link_rate else ""),
+                "DDP over gloo across 2 hosts, data in memory",
                 lambda width, **options: two.dasktrain(path, width, epochs, **options),
                 lambda width: two.ddp(path, width, epochs)))
     return found, note
@@ -350,9 +356,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "where there are none, shared_memory=False on one host), or "
                              "both (default)")
     parser.add_argument("--whole-gradient", action="store_true",
-                        help="also run dasktrain with the gradient sent in one piece after "
-                             "backward (bucket_bytes larger than the model): what the "
-                             "buckets sent during backward gain")
+                        help="also run dasktrain with the gradient and the reply each in "
+                             "one piece (bucket_bytes larger than the model): what sending "
+                             "the gradient during backward and receiving the reply during "
+                             "the next forward pass gain")
+    parser.add_argument("--link-rate", metavar="RATE",
+                        help="limit the link between the two hosts to RATE each way (tc's "
+                             "units, e.g. 3gbit): a real network's bandwidth, where the "
+                             "namespaces' own link costs CPU time as fast as memory copies "
+                             "(default: unlimited)")
     args = parse_with_quick(parser, argv, QUICK,
                             "seconds, not minutes: the small model, 20,000 rows, 2 epochs, "
                             "once (rough figures)")
@@ -365,6 +377,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--rows leaves a last global batch of 1 row, which one of the DDP "
                      "ranks could not share")
     args.hosts = sorted(set(args.hosts), key=["one", "two"].index)
+    if args.link_rate and "two" not in args.hosts:
+        parser.error("--link-rate limits the link between two hosts: add --hosts two")
     return args
 
 
@@ -414,7 +428,7 @@ def measure(width: int, setting: Setting, args: argparse.Namespace, repeat: int,
     if args.whole_gradient:
         whole_rates, *_ = setting.ours(width, bucket_bytes=WHOLE)
         results["whole"].append(_steady(whole_rates))
-        print(f"{label}, {setting.name}, repeat {repeat + 1}: gradient in one piece "
+        print(f"{label}, {setting.name}, repeat {repeat + 1}: gradient and reply in one piece "
               f"{', '.join(f'{r:,.0f}' for r in whole_rates)}", flush=True)
     ddp_rates, ddp_first = setting.theirs(width)
     results["theirs"].append(_steady(ddp_rates))
@@ -467,8 +481,8 @@ def main() -> None:
         print(f"| {row.label} | {row.setting.name} | {row.ours:,.0f} | {row.theirs:,.0f} | "
               f"{row.ours / row.theirs:.2f}x | {GOALS[row.setting.key]} |")
     if args.whole_gradient:
-        print("\n| model | hosts | gradient in buckets during backward (default) | in one "
-              "piece after backward | buckets gain |")
+        print("\n| model | hosts | in buckets: gradient during backward, reply during "
+              "forward (default) | each in one piece | buckets gain |")
         print("|---|---|---:|---:|---:|")
         for row in rows:
             print(f"| {row.label} | {row.setting.name} | {row.ours:,.0f} | "

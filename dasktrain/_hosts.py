@@ -187,6 +187,27 @@ class Hosts:
             raise HostsUnavailable(f"cannot link the hosts ({'; '.join(commands)}): "
                                    f"{done.stderr.strip()}")
 
+    def limit_rate(self, rate: str) -> None:
+        """Limit every link between the hosts to ``rate`` each way (tc's units, such as
+        ``"3gbit"``): a real network's bandwidth. Unlimited, a link between namespaces moves
+        bytes as fast as the processors copy them, so its transfers cost CPU time rather
+        than time on a wire that the processors may spend computing."""
+        if not self._hosts:
+            raise RuntimeError("start the hosts first")
+        if not shutil.which("tc"):
+            raise HostsUnavailable("no tc here to limit the links' rate")
+        first = self._hosts[0]
+        ends = [(first, f"port{k}") for k in range(1, len(self._hosts))]
+        ends += [(host, INTERFACE) for host in self._hosts[1:]]
+        for host, device in ends:
+            argv = ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
+                    "burst", "256kb", "latency", "50ms"]
+            done = subprocess.run(host.command(argv), capture_output=True, text=True,
+                                  timeout=_START_TIMEOUT)
+            if done.returncode != 0:
+                raise ValueError(f"cannot limit the links to {rate!r}: "
+                                 f"{done.stderr.strip()}")
+
     # -- using them -------------------------------------------------------------------------
     def __getitem__(self, index: int) -> Host:
         return self._hosts[index]

@@ -125,6 +125,21 @@ def test_closed_hosts_leave_nothing_behind():
     assert _in_namespaces(inodes) == []
 
 
+def test_a_limited_link_is_limited_at_both_ends_and_a_bad_rate_is_named():
+    hosts = start_hosts(2)
+    try:
+        hosts.limit_rate("300mbit")
+        ends = [(hosts[0], "port1"), (hosts[1], dasktrain._hosts.INTERFACE)]
+        for host, device in ends:
+            shown = subprocess.run(host.command(["tc", "qdisc", "show", "dev", device]),
+                                   capture_output=True, text=True, check=True).stdout
+            assert "tbf" in shown and "rate 300Mbit" in shown, shown
+        with pytest.raises(ValueError, match="cannot limit the links to 'fast'"):
+            hosts.limit_rate("fast")
+    finally:
+        hosts.close()
+
+
 # Makes two hosts with a process on each, says which, and waits to be killed. It loads
 # dasktrain/_hosts.py alone: the package's imports would take seconds.
 _MAKER = """

@@ -187,6 +187,17 @@ class FlatModel:
         self._sync_copied()
         return self._state.detach().to("cpu", copy=True).numpy()
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The model's trainable parameters then floating-point buffers, in the order of
+        a payload."""
+        return list(self._tensors)
+
+    def receives_in_place(self) -> bool:
+        """Whether a reply received into :meth:`receive_buffer` is the model's state
+        itself, with nothing left to copy by :meth:`load`."""
+        return self.device.type == "cpu" and not self._copied
+
     def receive_buffer(self) -> np.ndarray:
         """A host array to receive fresh parameters (then buffers) into; :meth:`load` of it
         costs nothing more on CPU, where it is the model's own state."""

@@ -58,7 +58,10 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
              # "shared", "local" or "tcp" over the direct channel; None without one.
              "transport": r.get("transport"),
              # Pushes sent bucket by bucket during backward (direct channel only).
-             "pushes_in_buckets": int(r.get("pushes_in_buckets", 0))}
+             "pushes_in_buckets": int(r.get("pushes_in_buckets", 0)),
+             # Replies received bucket by bucket as the next forward pass began (see
+             # dasktrain.trainer.worker.gate).
+             "replies_streamed": bool(r.get("replies_streamed", False))}
             for r in sorted(reports, key=lambda r: r["worker"])],
     }
 

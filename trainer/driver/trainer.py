@@ -122,8 +122,10 @@ class Trainer:
     bucket_bytes
         On the direct channel a gradient leaves in buckets of whole tensors of at least
         this many bytes, each as soon as backward has computed it (last layers first), so
-        the transfer overlaps the rest of backward (as DDP's ``bucket_cap_mb``). Default
-        1 MiB; a size over the model's puts the whole gradient in one bucket.
+        the transfer overlaps the rest of backward (as DDP's ``bucket_cap_mb``); the reply
+        comes back in the same buckets, first layers first, and the next forward pass
+        starts on them as they land. Default 1 MiB; a size over the model's puts the whole
+        gradient, and the whole reply, in one bucket.
     on_nonfinite
         ``"raise"`` (default): a non-finite loss or gradient stops the run with
         :class:`~dasktrain.TrainingDiverged`. ``"skip"``: the gradient is refused (counted in

@@ -25,7 +25,7 @@ import torch
 
 from dasktrain.trainer.flat import FlatLayout
 
-__all__ = ["BUCKET_BYTES", "GradientReadiness", "bucket_order"]
+__all__ = ["BUCKET_BYTES", "GradientReadiness", "bucket_order", "reply_order"]
 
 BUCKET_BYTES = 1 << 20
 """Bytes from which a run of tensors makes a bucket: large enough that a send costs more
@@ -121,3 +121,11 @@ class GradientReadiness:
         self.disarm()
         for handle in self._handles:
             handle.remove()
+
+
+def reply_order(order: Order) -> Order:
+    """The slices of a reply (parameters then buffers) in the order they travel: the
+    reverse of the gradients' (``order``), so the buffers come first, then the parameters
+    from the first tensor to the last, the order in which a forward pass reads them (see
+    :mod:`.arrival`)."""
+    return tuple(reversed(order))

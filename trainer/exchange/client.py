@@ -28,6 +28,8 @@ import numpy as np
 
 from dasktrain.trainer.errors import HolderLost, TrainerError
 from dasktrain.trainer.exchange import shared
+from dasktrain.trainer.exchange.arrival import Arrival
+from dasktrain.trainer.exchange.buckets import reply_order
 from dasktrain.trainer.exchange.link import HolderLink, Wait
 from dasktrain.trainer.exchange.protocol import (
     ACCEPTED,
@@ -116,7 +118,13 @@ class ChannelClient:
                                                                           ((0, size),)))
         check_order(self.order, size)
         self.order_size = size
+        self._reply_order = reply_order(self.order)
         self._outbox: _Outbox | None = None  # the sender thread's, once started
+        self.stream_replies = False
+        """Receive a reply's parameters on the channel's thread, bucket by bucket, while
+        the caller goes on (see :mod:`.arrival`): :attr:`arrival` tells what has landed."""
+        self.arrival: Arrival | None = None
+        """The reply still arriving, if any (None once it is all in place)."""
 
     def push(self, version: int, grads: np.ndarray | None, count: int, loss: float,
              position: tuple[int, int]) -> PendingPush:
@@ -164,13 +172,19 @@ class ChannelClient:
             raise ValueError(f"a streamed push carries the whole payload: {size} contiguous "
                              "float32 values")
         wait = self._start(version, count, loss, position, payload.nbytes)
+        self._pending = True  # until finish, nothing else may use the socket
+        return OutgoingPush(self._link, memoryview(payload).cast("B"), self.order, wait,
+                            self._thread_outbox(), reply=PendingPush(self),
+                            abandon=self._abandon)
+
+    def _thread_outbox(self) -> _Outbox:
+        """The queue of the channel's thread (started on first use), which sends a push's
+        buckets and receives a streamed reply's, one job after another."""
         if self._outbox is None:
             self._outbox = queue.SimpleQueue()
             threading.Thread(target=_send_queued, args=(self._outbox,), daemon=True,
                              name="dasktrain-push-sender").start()
-        self._pending = True  # until finish, nothing else may use the socket
-        return OutgoingPush(self._link, memoryview(payload).cast("B"), self.order, wait,
-                            self._outbox, reply=PendingPush(self), abandon=self._abandon)
+        return self._outbox
 
     def _start(self, version: int, count: int, loss: float, position: tuple[int, int],
                nbytes: int) -> Wait:
@@ -181,8 +195,16 @@ class ChannelClient:
                         wait)
         return wait
 
+    def settle(self) -> None:
+        """Wait until the last reply has all arrived (raising what stopped it)."""
+        arrival = self.arrival
+        if arrival is not None:
+            arrival.wait()
+            self.arrival = None
+
     def _fresh(self) -> None:
         """Connect afresh if the holder may have ended this connection for being idle."""
+        self.settle()
         if self._pending:
             raise TrainerError("a push is already waiting for its reply on this channel")
         if time.monotonic() - self._last_push > self._stale_after:
@@ -216,8 +238,15 @@ class ChannelClient:
         if self.shared is not None:  # written into the reply region before the header
             if self._params is not self.shared.reply:
                 np.copyto(self._params, self.shared.reply)
-        else:
-            self._link.recv_into(view, wait)
+            return self._params, version
+        pieces = [view[a * 4:b * 4] for a, b in self._reply_order]
+        if not self.stream_replies:
+            for piece in pieces:
+                self._link.recv_into(piece, wait)
+            return self._params, version
+        arrival = self.arrival = Arrival(len(pieces), what, timeout)
+        self._thread_outbox().put(functools.partial(_receive_pieces, self._link, pieces,
+                                                    wait, arrival))
         return self._params, version
 
     def receive_into(self, into: np.ndarray) -> None:
@@ -303,6 +332,19 @@ class ChannelClient:
         if self._file is not None:  # the mappings keep the memory while anyone uses it
             os.close(self._file)
             self._file = None
+
+
+def _receive_pieces(link: HolderLink, pieces: list[memoryview], wait: Wait,
+                    arrival: Arrival) -> None:
+    """On the channel's thread: receive a reply's buckets in turn, telling ``arrival``;
+    a failure is told to it, and the connection closed (part of the reply is unread)."""
+    try:
+        for bucket, piece in enumerate(pieces):
+            link.recv_into(piece, wait)
+            arrival.landed(bucket)
+    except BaseException as exc:  # handed to the readers, in their threads
+        link.close()
+        arrival.failed(exc)
 
 
 def _send_queued(outbox: _Outbox) -> None:

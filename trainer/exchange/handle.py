@@ -20,6 +20,7 @@ from distributed import Client, get_client, get_worker
 from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
 from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.exchange.arrival import Arrival
 from dasktrain.trainer.exchange.client import ChannelClient, OutgoingPush, PendingPush
 from dasktrain.trainer.exchange.reconnect import ChannelRefused, ChannelReturn, ChannelUnavailable
 from dasktrain.trainer.flat import FlatLayout
@@ -61,6 +62,7 @@ class HolderHandle:
         self._contact: dict[str, Any] | None = None  # the channel's, as join got it
         self._size = 0
         self._return: ChannelReturn[ChannelClient] | None = None  # while on the actor
+        self._stream_replies = False  # see stream_replies
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             worker = get_worker()
@@ -122,8 +124,29 @@ class HolderHandle:
 
     def _open_channel(self, **options: Any) -> ChannelClient:
         assert self._contact is not None and self._worker is not None
-        return ChannelClient(self._contact, self._worker, self._size, self.timeout,
-                             self.holder_alive, self._into, **options)
+        channel = ChannelClient(self._contact, self._worker, self._size, self.timeout,
+                                self.holder_alive, self._into, **options)
+        channel.stream_replies = self._stream_replies
+        return channel
+
+    def stream_replies(self) -> None:
+        """Have the direct channel receive replies on its own thread from now on (see
+        :mod:`.arrival`): :meth:`wait` returns as a reply begins to arrive, and
+        :attr:`arrival` tells what has landed."""
+        self._stream_replies = True
+        if self._channel is not None:
+            self._channel.stream_replies = True
+
+    @property
+    def arrival(self) -> Arrival | None:
+        """The reply still arriving over the direct channel, if any."""
+        channel = self._channel
+        return None if channel is None else channel.arrival
+
+    def settle(self) -> None:
+        """Wait until the last reply has all arrived."""
+        if self._channel is not None:
+            self._channel.settle()
 
     def _fall_back(self, exc: BaseException) -> None:
         """Push through the actor from now on, and try to return to the channel in the

@@ -36,6 +36,7 @@ import numpy as np
 
 from dasktrain.trainer.exchange import shared
 from dasktrain.trainer.exchange.admission import WaitingRoom
+from dasktrain.trainer.exchange.buckets import reply_order
 from dasktrain.trainer.exchange.protocol import (
     ACCEPTED,
     CONNECT_TIMEOUT,
@@ -110,6 +111,7 @@ class ChannelServer:
         self._size = size
         self.order: Order = ((0, size),) if order is None else tuple(order)
         check_order(self.order, size)
+        self._reply_order = reply_order(self.order)
         self.idle_timeout = idle_timeout
         self.shared_memory = shared_memory and shared.supported()
         self._secret = secrets.token_bytes(_SECRET_BYTES)
@@ -298,7 +300,11 @@ class ChannelServer:
                 await self._movers.copy(regions.reply, lease.array)
             await send(sock, idle, REPLY.pack(OK, lease.version, out.nbytes))
             if regions is None:
-                await self._movers.bulk(sock, [out], idle, receive=False)
+                # In the order a forward pass reads them (see .arrival); whole if the reply
+                # is not parameters then buffers.
+                pieces = ([out[a * 4:b * 4] for a, b in self._reply_order]
+                          if out.nbytes == 4 * self._size else [out])
+                await self._movers.bulk(sock, pieces, idle, receive=False)
         finally:
             # Sent (or failed): the holder may write to that buffer again.
             del out

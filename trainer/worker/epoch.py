@@ -11,6 +11,7 @@ the answer came. Which task runs the epochs, and how it joins and leaves, is :mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -26,7 +27,7 @@ from distributed import get_client
 from dasktrain.pipeline import Pipeline
 from dasktrain.pipeline.plan import run_pieces
 from dasktrain.trainer.errors import TrainerError
-from dasktrain.trainer.exchange.buckets import GradientReadiness
+from dasktrain.trainer.exchange.buckets import GradientReadiness, reply_order
 from dasktrain.trainer.exchange.client import OutgoingPush
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import ShardedHandle
@@ -34,6 +35,7 @@ from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.modes import mode_class, worker_step_class
 from dasktrain.trainer.worker.compute import LossScale, MetricTotals, batch_size_of
 from dasktrain.trainer.worker.config import WorkerConfig
+from dasktrain.trainer.worker.gate import ForwardGate
 from dasktrain.trainer.worker.notices import (
     shape_notice,
     taken_warnings,
@@ -85,6 +87,9 @@ class Replica:
     pipe: Pipeline | None = None
     version: int = 0  # of the parameters the worker last received
     asker: ThreadPoolExecutor | None = None  # asks for the next epoch while it computes
+    gate: ForwardGate | None = None  # forward passes begun while a reply arrives
+    gate_tried: bool = False
+    streaming: bool = False  # replies are received on the channel's thread
 
 
 def computes_ahead(replica: Replica) -> bool:
@@ -171,6 +176,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
     totals = MetricTotals()
     scale = LossScale(config.compute.precision == "fp16")
     readiness = _readiness(strategy, handle, flat, scale)
+    gate = _gate(replica)
 
     item = next(items, None)
     step = start
@@ -186,7 +192,14 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
         outgoing = None
         if batch is not None:
             flat.zero_grad()
-            loss, values, pair = config.compute(flat.model, batch, device)
+            with gate.check() if gate is not None and gate.verified is None \
+                    else contextlib.nullcontext():
+                loss, values, pair = config.compute(flat.model, batch, device)
+            if gate is not None:
+                gate.settle()  # what follows may read the model outside a forward pass
+                if gate.verified and not replica.streaming:
+                    handle.stream_replies()
+                    replica.streaming = True
             if step == start and pair is not None and pair[1] is not None:
                 _tell(handle, worker, [shape_notice(*pair)])
             count, loss_value = batch_size_of(batch), float(loss.detach())
@@ -233,6 +246,8 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
         strategy.load(params)
         _tell(handle, worker, taken_warnings())
         wait += time.perf_counter() - t1
+    if gate is not None:
+        gate.settle()
     if not settle():  # it had no batch this epoch
         return None
     replica.version = version
@@ -251,7 +266,8 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
             "skipped_nonfinite": nonfinite,
             "exchange_via": handle.via, "transport": handle.transport, "retired": retired,
-            "pushes_in_buckets": in_buckets, "first_step_at": first_step_at,
+            "pushes_in_buckets": in_buckets, "replies_streamed": replica.streaming,
+            "first_step_at": first_step_at,
             "last_step_at": last_step_at if step > start else None}
     return report
 
@@ -295,6 +311,23 @@ def _readiness(strategy: WorkerStep, handle: Handle, flat: FlatModel,
         return None
     params = [p for _, p in flat.model.named_parameters() if p.requires_grad]
     return GradientReadiness(params, flat.layout, order)
+
+
+def _gate(replica: Replica) -> ForwardGate | None:
+    """The replica's :class:`~dasktrain.trainer.worker.gate.ForwardGate`, made on its first
+    epoch where replies can stream: bytes over the direct channel (not memory shared with
+    the holder) received straight into a CPU model, for a mode that loads them as they
+    are."""
+    if not replica.gate_tried:
+        replica.gate_tried = True
+        handle, flat, strategy = replica.handle, replica.flat, replica.strategy
+        order = handle.order if isinstance(handle, HolderHandle) else None
+        if (order is not None and strategy is not None and strategy.streams
+                and flat.receives_in_place()
+                and strategy.receive_buffer() is flat.receive_buffer()):
+            replica.gate = ForwardGate(flat.model, flat.tensors, reply_order(order),
+                                       lambda: handle.arrival)
+    return replica.gate
 
 
 def _tell(handle: Handle, worker: int, notices: list) -> None:
