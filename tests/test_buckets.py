@@ -149,6 +149,28 @@ def test_a_streamed_push_arrives_as_the_same_payload(marks):
             channel.stop()
 
 
+def test_a_streamed_reply_lands_bucket_by_bucket_into_the_same_parameters():
+    with _server() as server:
+        into = np.zeros(SIZE, dtype=np.float32)
+        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True, into=into)
+        channel.stream_replies = True
+        try:
+            for step in range(3):
+                payload = np.arange(SIZE, dtype=np.float32) * (step + 1)
+                params, version = channel.push(step, payload, 1, 0.0, (0, 1)).result(10)
+                assert params is into and version == step + 1
+                arrival = channel.arrival
+                assert arrival is not None  # received on the channel's thread
+                for bucket in range(len(ORDER)):  # first layers first: the reverse order
+                    arrival.wait(bucket)
+                    start, stop = ORDER[len(ORDER) - 1 - bucket]
+                    assert np.array_equal(into[start:stop], payload[start:stop])
+                assert arrival.complete
+                # the next push waits for the last reply by itself (here, already in)
+        finally:
+            channel.stop()
+
+
 def test_a_streamed_push_to_a_server_gone_fails_naming_the_holder():
     with _server() as server:
         channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: False)

@@ -13,6 +13,7 @@ fails and, having given up, pushes through the actor until it gets back (see
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -318,7 +319,21 @@ class ChannelClient:
 
     def close(self) -> None:
         if self._link is not None:
+            self._cut_arrival()
             self._link.close()
+
+    def _cut_arrival(self) -> None:
+        """End a reply still arriving before its socket closes: the thread receiving it
+        must not be left reading a descriptor number that the process may give to another
+        socket. Shutting the socket down wakes that thread (its receive fails); the
+        descriptor is closed once it has stopped."""
+        arrival, self.arrival = self.arrival, None
+        if arrival is None or arrival.complete:
+            return
+        with contextlib.suppress(OSError):
+            self._link.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):
+            arrival.wait()
 
     def stop(self) -> None:
         """Close the connection, the shared memory file and end the sender thread."""
