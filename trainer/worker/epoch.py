@@ -325,8 +325,11 @@ def _gate(replica: Replica) -> ForwardGate | None:
         if (order is not None and strategy is not None and strategy.streams
                 and flat.receives_in_place()
                 and strategy.receive_buffer() is flat.receive_buffer()):
-            replica.gate = ForwardGate(flat.model, flat.tensors, reply_order(order),
-                                       lambda: handle.arrival)
+            try:
+                replica.gate = ForwardGate(flat.model, flat.tensors, reply_order(order),
+                                           lambda: handle.arrival)
+            except RuntimeError:  # a model without module hooks gets its replies whole
+                replica.gate = None
     return replica.gate
 
 

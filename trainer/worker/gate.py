@@ -60,13 +60,18 @@ class ForwardGate:
         """None until :meth:`check` saw a first computation; then whether forward passes
         may start before a reply has landed."""
         self._handles = []
-        for module in model.modules():
-            own = [t for t in (*module._parameters.values(), *module._buffers.values())
-                   if t is not None and id(t) in self._bucket_of]
-            if own:
-                need = max(self._bucket_of[id(t)] for t in own)
-                self._handles.append(module.register_forward_pre_hook(self._waiter(need)))
-        self._handles.append(model.register_forward_hook(self._after_forward))
+        try:
+            for module in model.modules():
+                own = [t for t in (*module._parameters.values(), *module._buffers.values())
+                       if t is not None and id(t) in self._bucket_of]
+                if own:
+                    need = max(self._bucket_of[id(t)] for t in own)
+                    self._handles.append(
+                        module.register_forward_pre_hook(self._waiter(need)))
+            self._handles.append(model.register_forward_hook(self._after_forward))
+        except RuntimeError:  # modules that take no hooks (TorchScript): none at all
+            self.remove()
+            raise
 
     def _waiter(self, need: int) -> Callable[..., None]:
         def before_forward(module: torch.nn.Module, args: Any) -> None:
