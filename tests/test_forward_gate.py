@@ -98,6 +98,14 @@ def test_the_first_computation_is_checked_for_tensors_read_outside_their_module(
         assert gate.verified is safe
 
 
+def test_a_model_that_takes_no_module_hooks_is_left_without_any():
+    scripted = torch.jit.script(_mlp())
+    flat = FlatModel(scripted)
+    order = reply_order(bucket_order(flat.layout, flat.layout.size, bucket_bytes=1))
+    with pytest.raises(RuntimeError, match="not supported on ScriptModules"):
+        ForwardGate(flat.model, flat.tensors, order, lambda: None)
+
+
 @pytest.mark.parametrize("make", [_mlp, _ReadsChildWeight], ids=["modules", "reads-child"])
 def test_sync_with_replies_streamed_equals_one_process(client, regression, make):
     config = dt.optim.sgd(0.05, momentum=0.9)

@@ -12,15 +12,12 @@ fails and, having given up, pushes through the actor until it gets back (see
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import logging
 import math
 import os
-import queue
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,8 +43,14 @@ from dasktrain.trainer.exchange.protocol import (
     tune,
 )
 from dasktrain.trainer.exchange.reconnect import ChannelRefused, connect_retrying
+from dasktrain.trainer.exchange.streaming import (
+    Outbox,
+    OutgoingPush,
+    receive_pieces,
+    start_thread,
+)
 
-__all__ = ["ChannelClient", "OutgoingPush", "PendingPush"]
+__all__ = ["ChannelClient", "PendingPush"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,6 @@ logger = logging.getLogger(__name__)
 # actor: as long as one attempt was given before attempts were retried.
 _RECONNECT_WITHIN = 10.0
 
-# A bucket to send, or the end of a streamed push; None ends the sender thread.
-_Outbox = queue.SimpleQueue[Callable[[], None] | None]
 
 
 class ChannelClient:
@@ -120,7 +121,7 @@ class ChannelClient:
         check_order(self.order, size)
         self.order_size = size
         self._reply_order = reply_order(self.order)
-        self._outbox: _Outbox | None = None  # the sender thread's, once started
+        self._outbox: Outbox | None = None  # the sender thread's, once started
         self.stream_replies = False
         """Receive a reply's parameters on the channel's thread, bucket by bucket, while
         the caller goes on (see :mod:`.arrival`): :attr:`arrival` tells what has landed."""
@@ -178,13 +179,11 @@ class ChannelClient:
                             self._thread_outbox(), reply=PendingPush(self),
                             abandon=self._abandon)
 
-    def _thread_outbox(self) -> _Outbox:
+    def _thread_outbox(self) -> Outbox:
         """The queue of the channel's thread (started on first use), which sends a push's
         buckets and receives a streamed reply's, one job after another."""
         if self._outbox is None:
-            self._outbox = queue.SimpleQueue()
-            threading.Thread(target=_send_queued, args=(self._outbox,), daemon=True,
-                             name="dasktrain-push-sender").start()
+            self._outbox = start_thread()
         return self._outbox
 
     def _start(self, version: int, count: int, loss: float, position: tuple[int, int],
@@ -246,7 +245,7 @@ class ChannelClient:
                 self._link.recv_into(piece, wait)
             return self._params, version
         arrival = self.arrival = Arrival(len(pieces), what, timeout)
-        self._thread_outbox().put(functools.partial(_receive_pieces, self._link, pieces,
+        self._thread_outbox().put(functools.partial(receive_pieces, self._link, pieces,
                                                     wait, arrival))
         return self._params, version
 
@@ -347,89 +346,6 @@ class ChannelClient:
         if self._file is not None:  # the mappings keep the memory while anyone uses it
             os.close(self._file)
             self._file = None
-
-
-def _receive_pieces(link: HolderLink, pieces: list[memoryview], wait: Wait,
-                    arrival: Arrival) -> None:
-    """On the channel's thread: receive a reply's buckets in turn, telling ``arrival``;
-    a failure is told to it, and the connection closed (part of the reply is unread)."""
-    try:
-        for bucket, piece in enumerate(pieces):
-            link.recv_into(piece, wait)
-            arrival.landed(bucket)
-    except BaseException as exc:  # handed to the readers, in their threads
-        link.close()
-        arrival.failed(exc)
-
-
-def _send_queued(outbox: _Outbox) -> None:
-    """The sender thread of a channel: runs what :class:`OutgoingPush` queues, in order,
-    until the channel stops."""
-    while (send := outbox.get()) is not None:
-        send()
-
-
-class OutgoingPush:
-    """A push being sent bucket by bucket (see :meth:`ChannelClient.begin`), on ``link``
-    by the channel's sender thread, which ``outbox`` feeds; ``reply`` is returned once all
-    is sent, and ``abandon`` called if that failed."""
-
-    def __init__(self, link: HolderLink, view: memoryview, order: Order, wait: Wait,
-                 outbox: _Outbox, *, reply: PendingPush,
-                 abandon: Callable[[], None]) -> None:
-        self._link = link
-        self._view = view
-        self._order = order
-        self._wait = wait
-        self._outbox = outbox
-        self._reply = reply
-        self._abandon = abandon
-        # Set by the sender thread alone: the push's first failed send, or that all is sent.
-        self._sent: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._ready = [False] * len(order)
-        self._next = 0  # the first bucket not yet queued: buckets leave in order
-        self._lock = threading.Lock()
-
-    def ready(self, bucket: int) -> None:
-        """Bucket ``bucket`` of the channel's order is final: send it when its turn comes
-        (callable from any thread, in any order)."""
-        with self._lock:
-            self._ready[bucket] = True
-            while self._next < len(self._order) and self._ready[self._next]:
-                start, stop = self._order[self._next]
-                self._outbox.put(functools.partial(self._send, self._view[start * 4:stop * 4]))
-                self._next += 1
-
-    def finish(self) -> PendingPush:
-        """Send whatever is not sent yet; once all is on its way, the reply's
-        :class:`PendingPush`. A failed send fails here as a plain push would."""
-        for bucket in range(len(self._ready)):
-            self.ready(bucket)
-        self._outbox.put(self._end)
-        # The sends themselves keep the deadline and check that the holder lives.
-        try:
-            error = self._sent.exception(self._wait.seconds + CONNECT_TIMEOUT)
-        except TimeoutError:
-            error = TrainerError(f"no answer from the parameter holder for "
-                                 f"{self._wait.what} after {self._wait.seconds:.0f}s")
-        if error is not None:
-            self._abandon()
-            raise error
-        return self._reply
-
-    def _send(self, view: memoryview) -> None:
-        """On the sender thread: send a bucket, unless one before it failed."""
-        if self._sent.done():
-            return
-        try:
-            self._link.send(view, self._wait)
-        except BaseException as exc:  # handed to the caller, in its thread
-            self._sent.set_exception(exc)
-
-    def _end(self) -> None:
-        """On the sender thread: every bucket before this is sent (or one failed)."""
-        if not self._sent.done():
-            self._sent.set_result(None)
 
 
 class PendingPush:

@@ -21,8 +21,9 @@ from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
 from dasktrain.trainer.errors import HolderLost, TrainerError
 from dasktrain.trainer.exchange.arrival import Arrival
-from dasktrain.trainer.exchange.client import ChannelClient, OutgoingPush, PendingPush
+from dasktrain.trainer.exchange.client import ChannelClient, PendingPush
 from dasktrain.trainer.exchange.reconnect import ChannelRefused, ChannelReturn, ChannelUnavailable
+from dasktrain.trainer.exchange.streaming import OutgoingPush
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.holder.arithmetic import Lease
 

@@ -28,9 +28,9 @@ from dasktrain.pipeline import Pipeline
 from dasktrain.pipeline.plan import run_pieces
 from dasktrain.trainer.errors import TrainerError
 from dasktrain.trainer.exchange.buckets import GradientReadiness, reply_order
-from dasktrain.trainer.exchange.client import OutgoingPush
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import ShardedHandle
+from dasktrain.trainer.exchange.streaming import OutgoingPush
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.modes import mode_class, worker_step_class
 from dasktrain.trainer.worker.compute import LossScale, MetricTotals, batch_size_of
