@@ -35,7 +35,7 @@ def _settings(trainer: dt.Trainer) -> dict:
         "checkpoint_every": trainer.checkpoint_every, "progress": trainer.show_progress,
         "torch_threads": trainer.torch_threads, "precision": trainer.compute.precision,
         "clip_grad_norm": trainer.clip_grad_norm, "clip_grad_value": trainer.clip_grad_value,
-        "assignment": trainer.assignment,
+        "assignment": trainer.assignment, "pause_dask_profiler": trainer.pause_dask_profiler,
     }
 
 
@@ -54,7 +54,7 @@ UNUSUAL = [
          nonfinite_patience=3, checkpoint_every=5, progress=False, torch_threads=2,
          precision="bf16", as_dict=True, clip_grad_norm=1.0, clip_grad_value=0.5,
          mode_options={"staleness_bound": 1, "staleness_lr": "inverse"},
-         assignment="static"),
+         assignment="static", pause_dask_profiler=False),
     dict(mode="sync", holder_shards=2, progress=False),
 ]
 

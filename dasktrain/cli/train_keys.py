@@ -105,6 +105,7 @@ _DOCS: dict[str, dict[str, str]] = {
         "on_nonfinite": "raise | skip: a non-finite loss or gradient",
         "nonfinite_patience": "refused rounds in a row that stop a run under skip",
         "torch_threads": "torch threads per worker process (0: torch's default)",
+        "pause_dask_profiler": "pause Dask's statistical profiler on workers that train",
         "precision": "\"32\" | \"bf16\" | \"fp16\"",
         "clip_grad_norm": "clip the applied gradient to this global norm",
         "clip_grad_value": "clip each applied gradient value to [-v, v]",

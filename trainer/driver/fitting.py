@@ -150,7 +150,7 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
         mode=trainer.mode, mode_options=trainer.mode_options, optimizer=trainer.optimizer,
         epoch_steps=epoch_steps, device=trainer.device, torch_threads=trainer.torch_threads,
         timeout=trainer.timeout, clip=(trainer.clip_grad_norm, trainer.clip_grad_value),
-        assignment=assignment)
+        assignment=assignment, pause_dask_profiler=trainer.pause_dask_profiler)
     trainer.history = history  # the run's own, growing: callbacks may read and add to it
     bar = _progress_bar(trainer, total_steps, initial=len(history.loss))
     started = time.perf_counter() - history.wall_time

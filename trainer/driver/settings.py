@@ -43,7 +43,7 @@ PLAIN_KEYWORDS = ("mode", "workers", "batch_size", "seed", "shuffle", "prefetch"
                   "holder_shards", "timeout", "barrier_timeout", "direct_channel",
                   "shared_memory", "bucket_bytes", "on_nonfinite", "nonfinite_patience",
                   "checkpoint_every", "progress", "torch_threads", "precision", "as_dict",
-                  "clip_grad_norm", "clip_grad_value", "assignment")
+                  "clip_grad_norm", "clip_grad_value", "assignment", "pause_dask_profiler")
 """The Trainer's keyword arguments whose values are plain scalars (``mode_options`` and
 ``optimizer`` are plain data too, written as a dict each)."""
 
@@ -78,6 +78,7 @@ class TrainerSettings(Protocol):
     checkpoint_every: int | None
     show_progress: bool
     torch_threads: int
+    pause_dask_profiler: bool
     clip_grad_norm: float | None
     clip_grad_value: float | None
 
@@ -255,6 +256,7 @@ def saved_settings(trainer: TrainerSettings) -> dict[str, Any]:
             "nonfinite_patience": trainer.nonfinite_patience,
             "checkpoint_every": trainer.checkpoint_every, "progress": trainer.show_progress,
             "torch_threads": trainer.torch_threads,
+            "pause_dask_profiler": trainer.pause_dask_profiler,
             "loss": _names(trainer.compute)[0],
             "metrics": {name: function_name(fn) for name, fn in trainer.compute.metrics.items()}}
 

@@ -122,10 +122,9 @@ class Trainer:
     bucket_bytes
         On the direct channel a gradient leaves in buckets of whole tensors of at least
         this many bytes, each as soon as backward has computed it (last layers first), so
-        the transfer overlaps the rest of backward (as DDP's ``bucket_cap_mb``); the reply
-        comes back in the same buckets, first layers first, and the next forward pass
-        starts on them as they land. Default 1 MiB; a size over the model's puts the whole
-        gradient, and the whole reply, in one bucket.
+        the transfer overlaps the rest of backward (as DDP's ``bucket_cap_mb``); replies come
+        back in the same buckets, first layers first, into the next forward pass. Default
+        1 MiB; a size over the model's makes one bucket each way.
     on_nonfinite
         ``"raise"`` (default): a non-finite loss or gradient stops the run with
         :class:`~dasktrain.TrainingDiverged`. ``"skip"``: the gradient is refused (counted in
@@ -139,9 +138,11 @@ class Trainer:
         update counts), not only at epoch ends.
     progress
         Show a progress bar (notebook-aware).
-    torch_threads
+    torch_threads, pause_dask_profiler
         Intra-op threads of torch in each worker process (1 keeps workers from
-        oversubscribing the cores; 0 leaves torch's default).
+        oversubscribing the cores; 0 leaves torch's default); pause Dask's statistical
+        profiler on workers while they train (default: it slowed a step by up to 9 %, see
+        :mod:`dasktrain.trainer.worker.profiler`).
     step
         ``step(model, batch) -> loss`` or ``-> {"loss": loss, "metric": value, ...}``, in
         place of ``loss(model(x), y)``: for models of several inputs, dict batches
@@ -206,6 +207,7 @@ class Trainer:
         checkpoint_every: int | None = None,
         progress: bool = True,
         torch_threads: int = 1,
+        pause_dask_profiler: bool = True,
         step: StepFunction | None = None,
         metrics: dict[str, MetricFunction] | None = None,
         precision: str = "32",
@@ -245,8 +247,7 @@ class Trainer:
         self.holder_shards = holder_shards
         resolve_assignment(assignment, mode, holder_shards)  # refuses what cannot be
         self.assignment = assignment
-        self.timeout = timeout
-        self.barrier_timeout = barrier_timeout
+        self.timeout, self.barrier_timeout = timeout, barrier_timeout
         self.direct_channel = direct_channel
         self.shared_memory = bool(shared_memory)
         self.bucket_bytes = bucket_bytes
@@ -254,7 +255,7 @@ class Trainer:
         self.nonfinite_patience = nonfinite_patience
         self.checkpoint_every = checkpoint_every
         self.show_progress = progress
-        self.torch_threads = torch_threads
+        self.torch_threads, self.pause_dask_profiler = torch_threads, bool(pause_dask_profiler)
         self.model: torch.nn.Module = self._factory()
         """A plain module holding the latest parameters (after :meth:`fit`)."""
         # A parameter group naming no tensor of this model is a typo: say so before a fit.

@@ -35,3 +35,4 @@ class WorkerConfig:
     timeout: float = 300.0
     clip: tuple[float | None, float | None] = (None, None)  # for modes stepping locally
     assignment: str = "static"  # or "dynamic": batches claimed from the holder on demand
+    pause_dask_profiler: bool = True  # see dasktrain.trainer.worker.profiler

@@ -44,6 +44,7 @@ from dasktrain.trainer.worker.notices import (
     taken_warnings,
     watch_this_thread,
 )
+from dasktrain.trainer.worker.profiler import profiler_paused
 from dasktrain.trainer.worker.retire import training
 
 __all__ = ["LossFunction", "WorkerConfig", "WorkerFailure", "pick_device", "run_worker",
@@ -114,13 +115,16 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
         raise
     handle = open_handle(holder, config.timeout)  # one actor, or a list of shards
     try:
-        address = get_worker().address
+        dask_worker = get_worker()
+        address = dask_worker.address
     except ValueError:
-        address = None
+        dask_worker = address = None
     capture_warnings()
     watch_this_thread()
     try:
-        with training():  # a closing worker waits for this to leave (see .retire)
+        with training(), profiler_paused(dask_worker if config.pause_dask_profiler
+                                         else None):
+            # a closing worker waits for training to leave (see .retire)
             replica = Replica(config, handle, flat, device, worker, address)
             if last is None:
                 return _train(replica, epoch, world, started, kept.fit_key(holder))
