@@ -25,7 +25,7 @@ import torch
 
 from dasktrain.trainer.flat import FlatLayout
 
-__all__ = ["BUCKET_BYTES", "GradientReadiness", "bucket_order", "reply_order"]
+__all__ = ["BUCKET_BYTES", "GradientReadiness", "bucket_of", "bucket_order", "reply_order"]
 
 BUCKET_BYTES = 1 << 20
 """Bytes from which a run of tensors makes a bucket: large enough that a send costs more
@@ -60,6 +60,12 @@ def bucket_order(layout: FlatLayout, payload_size: int,
     return tuple(order)
 
 
+def bucket_of(order: Order, start: int, stop: int) -> int:
+    """The index in ``order`` of the slice holding the tensor at ``[start, stop)``
+    (buckets hold whole tensors)."""
+    return next(i for i, (lo, hi) in enumerate(order) if lo <= start and stop <= hi)
+
+
 class GradientReadiness:
     """Tells, during backward, which buckets of ``order`` have every gradient in them.
 
@@ -79,7 +85,7 @@ class GradientReadiness:
         self._bucket_of: list[int] = []
         self._sizes = [0] * len(order)
         for _, start, stop, _ in segments:
-            bucket = next(i for i, (lo, hi) in enumerate(order) if lo <= start and stop <= hi)
+            bucket = bucket_of(order, start, stop)
             self._bucket_of.append(bucket)
             self._sizes[bucket] += 1
         self._left: list[int] = []

@@ -144,11 +144,6 @@ class HolderHandle:
         channel = self._channel
         return None if channel is None else channel.arrival
 
-    def settle(self) -> None:
-        """Wait until the last reply has all arrived."""
-        if self._channel is not None:
-            self._channel.settle()
-
     def _fall_back(self, exc: BaseException) -> None:
         """Push through the actor from now on, and try to return to the channel in the
         background (unless the holder refused this worker's token)."""

@@ -89,7 +89,6 @@ class Replica:
     asker: ThreadPoolExecutor | None = None  # asks for the next epoch while it computes
     gate: ForwardGate | None = None  # forward passes begun while a reply arrives
     gate_tried: bool = False
-    streaming: bool = False  # replies are received on the channel's thread
 
 
 def computes_ahead(replica: Replica) -> bool:
@@ -192,14 +191,13 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
         outgoing = None
         if batch is not None:
             flat.zero_grad()
-            with gate.check() if gate is not None and gate.verified is None \
-                    else contextlib.nullcontext():
+            checking = gate is not None and gate.verified is None
+            with gate.check() if checking else contextlib.nullcontext():
                 loss, values, pair = config.compute(flat.model, batch, device)
+            if checking and gate.verified:
+                handle.stream_replies()
             if gate is not None:
                 gate.settle()  # what follows may read the model outside a forward pass
-                if gate.verified and not replica.streaming:
-                    handle.stream_replies()
-                    replica.streaming = True
             if step == start and pair is not None and pair[1] is not None:
                 _tell(handle, worker, [shape_notice(*pair)])
             count, loss_value = batch_size_of(batch), float(loss.detach())
@@ -266,7 +264,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
             "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
             "skipped_nonfinite": nonfinite,
             "exchange_via": handle.via, "transport": handle.transport, "retired": retired,
-            "pushes_in_buckets": in_buckets, "replies_streamed": replica.streaming,
+            "pushes_in_buckets": in_buckets, "replies_streamed": bool(gate and gate.verified),
             "first_step_at": first_step_at,
             "last_step_at": last_step_at if step > start else None}
     return report

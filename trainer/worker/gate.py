@@ -26,6 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dasktrain.trainer.exchange.arrival import Arrival
+from dasktrain.trainer.exchange.buckets import bucket_of
 
 __all__ = ["ForwardGate"]
 
@@ -50,8 +51,7 @@ class ForwardGate:
         offset = 0
         for tensor in tensors:
             stop = offset + tensor.numel()
-            self._bucket_of[id(tensor)] = next(
-                i for i, (lo, hi) in enumerate(order) if lo <= offset and stop <= hi)
+            self._bucket_of[id(tensor)] = bucket_of(order, offset, stop)
             offset = stop
         self._last = len(order) - 1
         self._released = self._last  # while checking: the last bucket waited for
