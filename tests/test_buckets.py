@@ -198,6 +198,8 @@ def test_sync_with_a_gradient_in_many_buckets_equals_one_process(client, regress
     assert sorted(w["pushes_in_buckets"] for w in record["per_worker"]) == [0, 10]
     # and received its replies bucket by bucket while its next forward pass began.
     assert sorted(w["replies_streamed"] for w in record["per_worker"]) == [False, True]
+    # The worker beside the holder computed on the holder's parameters themselves.
+    assert sorted(w["replies_viewed"] for w in record["per_worker"]) == [False, True]
     expected = one_process(regression, make, config, 32, 1, client)
     torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
                                atol=1e-6)

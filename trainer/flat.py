@@ -206,6 +206,30 @@ class FlatModel:
                               np.empty(self.layout.size, dtype=np.float32))
         return self._received
 
+    def can_view(self) -> bool:
+        """Whether :meth:`view` may be used: on CPU, for a model without floating-point
+        buffers (its forward pass would write them into memory it does not own)."""
+        return self.device.type == "cpu" and self.layout.num_buffers == 0 \
+            and not self._copied
+
+    def view(self, values: np.ndarray) -> None:
+        """Make ``values``, a writable float32 array of a payload's size, the model's
+        state itself: its parameters become views of it, no value is copied. The model only
+        reads it; the caller keeps it unchanged while the model computes (a leased reply).
+        Only where :meth:`can_view` says so."""
+        if values.shape != (self.layout.size,) or values.dtype != np.float32 \
+                or not values.flags.writeable or not values.flags.c_contiguous:
+            raise ValueError(f"cannot view a {values.dtype} array of shape {values.shape}"
+                             f" as {self.layout.size} float32 values")
+        if not self.can_view():
+            raise RuntimeError("this model cannot view its state (its device, or buffers "
+                               "its forward pass writes)")
+        if values.ctypes.data == self._state.data_ptr():
+            return  # the holder updated it in place: the views see the new values
+        self._state = torch.from_numpy(values)
+        self.params = self._state[: self.layout.num_params]
+        self._point()
+
     def load(self, values: np.ndarray) -> None:
         """Take parameters then buffers from a payload-shaped array."""
         if values.shape != (self.layout.size,):

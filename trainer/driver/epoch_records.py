@@ -61,7 +61,10 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
              "pushes_in_buckets": int(r.get("pushes_in_buckets", 0)),
              # Replies received bucket by bucket as the next forward pass began (see
              # dasktrain.trainer.worker.gate).
-             "replies_streamed": bool(r.get("replies_streamed", False))}
+             "replies_streamed": bool(r.get("replies_streamed", False)),
+             # The model computed on the holder's own parameters (a worker in the holder's
+             # process, see HolderHandle.lend_replies): replies cost it no copy.
+             "replies_viewed": bool(r.get("replies_viewed", False))}
             for r in sorted(reports, key=lambda r: r["worker"])],
     }
 

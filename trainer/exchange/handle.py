@@ -64,6 +64,8 @@ class HolderHandle:
         self._size = 0
         self._return: ChannelReturn[ChannelClient] | None = None  # while on the actor
         self._stream_replies = False  # see stream_replies
+        self._lend = False  # see lend_replies
+        self._lent: Lease | None = None  # the in-process reply the worker computes on
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
             worker = get_worker()
@@ -204,7 +206,9 @@ class HolderHandle:
             except ChannelUnavailable as exc:  # nothing was sent: the actor takes it
                 self._fall_back(exc)
         if self._local is not None:
-            # The reply is leased, copied into ``into`` by :meth:`wait` and given back.
+            # The reply is leased: copied into ``into`` by :meth:`wait` and given back, or
+            # lent (see lend_replies) until now, when the worker is done reading it.
+            self._give_back()
             return self.call("exchange", worker, version, payload, count, loss, position)
         return self.call("push", worker, version, payload, count, loss, position)
 
@@ -231,8 +235,25 @@ class HolderHandle:
             return None
         return self._channel.order
 
+    def lend_replies(self) -> bool:
+        """In the holder's own process, have :meth:`wait` hand over in-process replies
+        without copying them: the holder's parameters themselves, leased until the next
+        push (or :meth:`close`), which the worker's model then views (see
+        :meth:`FlatModel.view`). In lock-step modes every lease is given back before the
+        update, which then writes in place; elsewhere an update meanwhile copies first, as
+        for any lease. False (nothing changed) where the holder is in another process."""
+        self._lend = self._local is not None
+        return self._lend
+
+    def _give_back(self) -> None:
+        if self._lent is not None:
+            lent, self._lent = self._lent, None
+            lent.release()
+
     def close(self) -> None:
-        """Close the direct channel, if any, and stop trying to return to it."""
+        """Close the direct channel, if any, and stop trying to return to it; give back
+        a lent reply."""
+        self._give_back()
         if self._channel is not None:
             self._channel.stop()
             self._channel = None
@@ -279,7 +300,12 @@ class HolderHandle:
 
     def _own(self, lease: Lease) -> tuple[np.ndarray, int]:
         """Copy a leased reply (in-process pushes) into the receive buffer, and give the
-        lease back at once: the holder may then update in place."""
+        lease back at once: the holder may then update in place. Lent instead (see
+        :meth:`lend_replies`): kept until the next push."""
+        if self._lend:
+            self._give_back()
+            self._lent = lease
+            return lease.array, lease.version
         try:
             into = self._into
             if into is None or into.shape != lease.array.shape:

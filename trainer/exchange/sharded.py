@@ -251,6 +251,10 @@ class ShardedHandle(_Shards):
         the memory it shares with that shard, if any."""
         return False
 
+    def lend_replies(self) -> bool:
+        """Replies are assembled from the shards' slices: always copied."""
+        return False
+
     def begin_push(self, *args: Any) -> None:
         return None
 

@@ -265,6 +265,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
             "skipped_nonfinite": nonfinite,
             "exchange_via": handle.via, "transport": handle.transport, "retired": retired,
             "pushes_in_buckets": in_buckets, "replies_streamed": bool(gate and gate.verified),
+            "replies_viewed": strategy.views,
             "first_step_at": first_step_at,
             "last_step_at": last_step_at if step > start else None}
     return report

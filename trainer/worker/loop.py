@@ -210,4 +210,7 @@ def _join(replica: Replica, epoch: int | None, task_epoch: int | None) -> dict[s
                                into=strategy.receive_buffer(), epoch=task_epoch)
     if not info.get("surplus"):
         replica.handle.share(strategy.adopt)  # on the holder's host: pushes copy nothing
+        # In the holder's process: the model reads the holder's parameters themselves.
+        if strategy.view_replies() and not replica.handle.lend_replies():
+            strategy.views = False
     return info

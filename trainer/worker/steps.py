@@ -52,6 +52,7 @@ class WorkerStep:
         self.flat = flat
         self.context = context
         self.lr_factor = 1.0  # the holder's factor on the schedule, given at join
+        self.views = False  # see view_replies
 
     def receive_buffer(self) -> np.ndarray:
         """Where replies are received (its size is the mode's payload size)."""
@@ -63,9 +64,16 @@ class WorkerStep:
         cannot."""
         return self.flat.adopt(payload, reply)
 
+    def view_replies(self) -> bool:
+        """Have the model view the replies it takes instead of copying them (see
+        :meth:`FlatModel.view`), where it can and this step only reads the parameters
+        between a reply and the next push; False where not."""
+        self.views = self.streams and self.flat.can_view()
+        return self.views
+
     def start(self, values: np.ndarray) -> None:
         """Take the join's reply (the parameters to start from)."""
-        self.flat.load(values)
+        self.load(values)
 
     def after_backward(self, step: int, count: int, loss: float, last: bool) -> Push | None:
         """The batch of lock-step ``step`` (``count == 0``: none) has its gradients in the
@@ -75,7 +83,10 @@ class WorkerStep:
 
     def load(self, values: np.ndarray) -> None:
         """Take a push's reply."""
-        self.flat.load(values)
+        if self.views and values.flags.writeable:
+            self.flat.view(values)
+        else:
+            self.flat.load(values)
 
 
 class GradientStep(WorkerStep):
