@@ -289,6 +289,52 @@ def test_flat_model_gradients_and_buffers_live_in_one_buffer():
         flat.layout.size - 1
 
 
+class _SharedAndUnused(torch.nn.Module):
+    """A layer used twice in one forward pass, and one not used at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.twice = torch.nn.Linear(3, 3)
+        self.unused = torch.nn.Linear(3, 1)
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.twice(torch.tanh(self.twice(x)))))
+
+
+def test_flat_gradients_are_each_backward_passs_own_without_zeroing_the_buffer():
+    model, twin = _SharedAndUnused(), _SharedAndUnused()
+    flat = FlatModel(model)
+    flat.grads.fill_(7.0)  # what a last step left: never read again
+    for _ in range(3):
+        x = torch.randn(5, 3)
+        flat.zero_grad()
+        twin.zero_grad(set_to_none=False)
+        model(x).pow(2).sum().backward()
+        flat.gradients_done()
+        twin(x).pow(2).sum().backward()
+        expected = _grads(twin)
+        torch.testing.assert_close(flat.grads, expected, rtol=0, atol=0)
+        # every .grad is a view of the flat buffer again, the unused layer's zeros
+        for p in model.parameters():
+            assert p.grad.untyped_storage().data_ptr() == flat.grads.untyped_storage().data_ptr()
+        assert not model.unused.weight.grad.any()
+        assert flat.payload()[: flat.layout.num_params].tolist() == expected.tolist()
+    # Without zero_grad between two passes, the second adds to the first (accumulation).
+    x = torch.randn(5, 3)
+    for _ in range(2):
+        model(x).sum().backward()
+        twin(x).sum().backward()
+    flat.gradients_done()
+    torch.testing.assert_close(flat.grads, _grads(twin))
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.reshape(-1)
+                      for p in model.parameters()])
+
+
 class _Float64Buffer(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -6,6 +6,14 @@ to views of one flat tensor and the parameters' ``.grad`` to views of another, s
 "flattening" costs nothing: backward writes straight into the buffer that is sent, and fresh
 parameters are loaded with one copy, or none when received straight into the model.
 
+Gradients are not zeroed before a backward pass: :meth:`FlatModel.zero_grad` sets each
+``.grad`` to None, backward then hands each parameter a gradient of its own (the tensor
+autograd computed, taken as it is), and a hook run as each parameter's gradient is complete
+copies it into the flat buffer and makes ``.grad`` its view again. One copy instead of a
+pass that zeroes the buffer and one that adds into it: two fewer passes over the
+gradients a step. A parameter backward does not reach gets zeros when the pass is over
+(:meth:`FlatModel.gradients_done`).
+
 Layout of a payload: the parameters (in ``named_parameters`` order), then the model's
 floating-point buffers (batch-norm running statistics...), each flattened.
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -131,8 +140,14 @@ class FlatModel:
             if t.dtype != torch.float32:
                 self._copied.append((offset, t))
             offset += k
+        self._grad_params = params
+        self._grad_views: list[torch.Tensor] = []
         self._point()
         self._received: np.ndarray | None = None
+        # Registered before anything else can be: hooks run in that order, so whoever
+        # listens for a finished gradient (the bucket sender) finds it in the flat buffer.
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._into_flat(i))
 
     def _point(self) -> None:
         """Make the model's parameters and float32 buffers views of the flat state, and
@@ -140,11 +155,13 @@ class FlatModel:
         them in place."""
         offset = 0
         n = self.layout.num_params
+        self._grad_views = []
         for i, t in enumerate(self._tensors):
             k = t.numel()
             if i < len(self.layout.params):
                 t.data = self.params[offset:offset + k].view_as(t)
                 t.grad = self.grads[offset:offset + k].view_as(t)
+                self._grad_views.append(t.grad)
             elif t.dtype == torch.float32:
                 t.data = self._state[offset:offset + k].view_as(t)
             offset += k
@@ -251,5 +268,30 @@ class FlatModel:
         for offset, b in self._copied:
             self._state[offset:offset + b.numel()].copy_(b.detach().reshape(-1))
 
+    def _into_flat(self, index: int) -> Callable[[torch.Tensor], None]:
+        def finished(param: torch.Tensor) -> None:
+            view = self._grad_views[index]
+            grad = param.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                param.grad = view
+
+        return finished
+
     def zero_grad(self) -> None:
-        self.grads.zero_()
+        """Start the next backward pass from zero gradients (see the module docstring:
+        nothing is written now)."""
+        for p in self._grad_params:
+            p.grad = None
+
+    def gradients_done(self) -> None:
+        """After a backward pass: every gradient in the flat buffer, zeros for the
+        parameters it did not reach."""
+        for p, view in zip(self._grad_params, self._grad_views, strict=True):
+            grad = p.grad
+            if grad is None:
+                view.zero_()
+                p.grad = view
+            elif grad.data_ptr() != view.data_ptr():  # set outside a backward pass
+                view.copy_(grad)
+                p.grad = view

@@ -207,6 +207,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
                 readiness.arm(outgoing.ready)
             try:
                 scale.scaled(loss).backward()
+                flat.gradients_done()
             finally:
                 if readiness is not None:
                     readiness.disarm()
