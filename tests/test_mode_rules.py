@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import math
 import os
@@ -662,6 +663,41 @@ def test_a_join_racing_threaded_sync_updates_sees_a_whole_version():
     assert done == 30 and version == 30
     assert np.array_equal(params, np.full(features, -30.0, dtype=F32))
     assert len(set(seen)) > 1, seen  # the joins did interleave with the updates
+
+
+def test_a_large_average_computed_in_halves_is_exact_and_refuses_a_nan_in_either_half():
+    from dasktrain.trainer.holder.arithmetic import SPLIT_SIZE
+    features = SPLIT_SIZE + 3
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(features).astype(F32) for _ in range(3)]
+    counts = [1, 2, 5]
+
+    async def scenario():
+        config = dataclasses.replace(zeros_holder(features, workers=3, mode="sync"),
+                                     on_nonfinite="skip")
+        holder = ParameterHolder(config)
+        for w in range(3):
+            await holder.join(w, None, holder.layout)
+        first = await asyncio.gather(*(holder.push(w, 0, grads[w], counts[w], 0.0, (0, 1))
+                                       for w in range(3)))
+        # Round 2: worker 1's gradient has a NaN in the second half, worker 2's an inf in
+        # the first: both refused, worker 0's applied alone.
+        bad_nan, bad_inf = grads[1].copy(), grads[2].copy()
+        bad_nan[features - 2] = np.nan
+        bad_inf[1] = np.inf
+        second = await asyncio.gather(*(holder.push(w, 1, g, counts[w], 0.0, (0, 2))
+                                        for w, g in enumerate([grads[0], bad_nan, bad_inf])))
+        await holder.close()
+        return first[0][0].copy(), second[0][0].copy(), holder.refused
+
+    after_first, after_second, refused = asyncio.run(scenario())
+    # The running weighted mean as one process computes it, over the whole buffer at once.
+    t = [torch.from_numpy(g) for g in grads]
+    mean = torch.lerp(t[0], t[1], 2 / 3)
+    mean = mean.lerp(t[2], 5 / 8)
+    np.testing.assert_array_equal(after_first, -mean.numpy())
+    np.testing.assert_array_equal(after_second, -mean.numpy() - grads[0])
+    assert refused == 2
 
 
 # -- 6. option checks --------------------------------------------------------------------

@@ -636,7 +636,8 @@ class ParameterHolder:
         with_batch = [c for c in contributions if c.grads is not None and c.count > 0]
         adjusted = adjust(with_batch) if adjust is not None and with_batch else None
         lr_scale = adjusted.lr_scale if adjusted is not None else 1.0
-        used, grad, refusals = finite_mean(_items(with_batch, adjusted), self._arith.average)
+        used, grad, refusals = finite_mean(_items(with_batch, adjusted), self._arith.average,
+                                           self._arith.all_finite)
         for contribution, reason in refusals:
             self.refused += 1
             self.record_event(f"{reason}, refused")

@@ -11,6 +11,10 @@ Serial section: updates, leases, snapshots and restores run one at a time, in or
 over ``INLINE_SIZE`` values run them on one private thread (the event loop keeps serving
 heartbeats and transfers meanwhile); smaller ones on the event loop itself, where the work
 takes less than the hand-off to a thread would add.
+
+The average of large payloads and its finiteness check are computed in two halves at
+once, the second on a helper thread: in lock-step modes every worker waits for the update,
+so a core that would idle takes half of those passes over memory.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,9 +37,10 @@ from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.worker.compute import clip_gradient
 
-__all__ = ["INLINE_SIZE", "Arithmetic", "Lease", "as_tensor"]
+__all__ = ["INLINE_SIZE", "SPLIT_SIZE", "Arithmetic", "Lease", "all_finite", "as_tensor"]
 
 INLINE_SIZE = 1 << 20  # payload elements up to which the serial section runs on the loop
+SPLIT_SIZE = 1 << 20  # payload elements from which averages are computed in two halves
 _SPARE_BUFFERS = 4  # released copies kept for reuse (fresh allocations cost page faults)
 
 
@@ -46,6 +52,14 @@ def as_tensor(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite: one reduction instead of an elementwise mask; a sum
+    that overflows is re-checked."""
+    if math.isfinite(float(values.sum())):
+        return True
+    return bool(torch.isfinite(values).all())
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -88,6 +102,9 @@ class Arithmetic:
         self.threaded = layout.size > INLINE_SIZE
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dasktrain-holder") if self.threaded else None
+        self._helper = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="dasktrain-holder-half") if layout.size >= SPLIT_SIZE \
+            else None
 
     # -- the serial section ------------------------------------------------------------
     async def serially(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -97,8 +114,26 @@ class Arithmetic:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        for pool in (self._executor, self._helper):
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    def _in_halves(self, size: int, fn: Callable[[slice], Any]) -> list[Any]:
+        """``fn`` of each part of ``[0, size)``: two halves at once where a helper thread
+        is kept, else the whole."""
+        if self._helper is None:
+            return [fn(slice(0, size))]
+        half = size // 2
+        later = self._helper.submit(fn, slice(half, size))
+        try:
+            first = fn(slice(0, half))
+        finally:
+            second = later.result()
+        return [first, second]
+
+    def all_finite(self, values: torch.Tensor) -> bool:
+        """Whether every value is finite (see :func:`.divergence.all_finite`)."""
+        return all(self._in_halves(len(values), lambda part: all_finite(values[part])))
 
     # -- reading -----------------------------------------------------------------------
     @property
@@ -158,21 +193,26 @@ class Arithmetic:
         if len(payloads) == 1:
             return as_tensor(payloads[0])
         out = self._average_buffer
+        tensors = [as_tensor(p) for p in payloads]
         if overflow_safe or total <= 0:
             total = total or 1.0
-            torch.mul(as_tensor(payloads[0]), weights[0] / total, out=out)
-            for payload, weight in zip(payloads[1:], weights[1:], strict=True):
-                out.add_(as_tensor(payload), alpha=weight / total)
-            return out
-        # A running weighted mean, one pass per further payload: after each step ``out`` is
-        # the mean of the payloads so far (lerp: out + w * (g - out)).
-        seen = weights[0] + weights[1]
-        torch.lerp(as_tensor(payloads[0]), as_tensor(payloads[1]),
-                   weights[1] / seen if seen else 0.5, out=out)
-        for payload, weight in zip(payloads[2:], weights[2:], strict=True):
-            seen += weight
-            if weight:
-                out.lerp_(as_tensor(payload), weight / seen)
+
+            def weighted_sum(part: slice) -> None:
+                torch.mul(tensors[0][part], weights[0] / total, out=out[part])
+                for tensor, weight in zip(tensors[1:], weights[1:], strict=True):
+                    out[part].add_(tensor[part], alpha=weight / total)
+        else:
+            # A running weighted mean, one pass per further payload: after each step ``out``
+            # is the mean of the payloads so far (lerp: out + w * (g - out)).
+            def weighted_sum(part: slice) -> None:
+                seen = weights[0] + weights[1]
+                torch.lerp(tensors[0][part], tensors[1][part],
+                           weights[1] / seen if seen else 0.5, out=out[part])
+                for tensor, weight in zip(tensors[2:], weights[2:], strict=True):
+                    seen += weight
+                    if weight:
+                        out[part].lerp_(tensor[part], weight / seen)
+        self._in_halves(len(out), weighted_sum)
         return out
 
     def lr(self, scale: float = 1.0) -> float:

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from dasktrain.trainer.holder.arithmetic import as_tensor
+from dasktrain.trainer.holder.arithmetic import all_finite, as_tensor
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "all_finite", "check_policy", "finite_mean"]
 
@@ -100,15 +100,8 @@ class NonFiniteGuard:
         self.last_finite = (float(last[0]), int(last[1])) if last else None
 
 
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether every value is finite: one reduction instead of an elementwise mask; a sum
-    that overflows is re-checked."""
-    if math.isfinite(float(values.sum())):
-        return True
-    return bool(torch.isfinite(values).all())
-
-
-def finite_mean(items: list[Item[P]], average: Average
+def finite_mean(items: list[Item[P]], average: Average,
+                finite: Callable[[torch.Tensor], bool] = all_finite
                 ) -> tuple[list[Item[P]], torch.Tensor | None, list[tuple[P, str]]]:
     """The items that can be applied, their weighted mean (None if none), and each refused
     push with the reason.
@@ -116,13 +109,14 @@ def finite_mean(items: list[Item[P]], average: Average
     Refused: a non-finite batch loss; then, only when the mean is not finite (the common
     case costs one reduction), each non-finite payload, and the rest averaged again as a
     weighted sum; if even that is not finite (finite payloads at the float32 limit), all.
-    ``average(payloads, weights, overflow_safe=False)`` is the holder's weighted mean.
+    ``average(payloads, weights, overflow_safe=False)`` is the holder's weighted mean,
+    ``finite(mean)`` its check of the mean.
     """
     refusals = [(push, f"worker {push.worker}: non-finite batch loss ({push.loss})")
                 for push, *_ in items if not math.isfinite(push.loss)]
     used = [item for item in items if math.isfinite(item[0].loss)]
     grad = average(_payloads(used), _weights(used))
-    if grad is None or all_finite(grad):
+    if grad is None or finite(grad):
         return used, grad, refusals
     # By identity: an item holds an array, which has no truth value to compare by.
     bad = {id(item) for item in used if not all_finite(as_tensor(item[1]))}
