@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -663,6 +664,36 @@ def test_a_join_racing_threaded_sync_updates_sees_a_whole_version():
     assert done == 30 and version == 30
     assert np.array_equal(params, np.full(features, -30.0, dtype=F32))
     assert len(set(seen)) > 1, seen  # the joins did interleave with the updates
+
+
+def test_a_quick_serial_call_waits_behind_an_update_in_flight_and_not_otherwise():
+    async def scenario():
+        holder = ParameterHolder(zeros_holder((1 << 20) + 8))
+        arith = holder._arith
+        assert arith.threaded
+        loop_thread = threading.get_ident()
+        order, gate = [], threading.Event()
+
+        def update() -> None:  # a long update: it runs until the test lets it finish
+            gate.wait(30)
+            order.append("update")
+
+        first = asyncio.ensure_future(arith.serially(update))
+        await asyncio.sleep(0)  # one turn of the loop: the update is handed to its thread
+        second = asyncio.ensure_future(
+            arith.promptly(lambda: order.append(("quick", threading.get_ident()))))
+        await asyncio.sleep(0)
+        waited = list(order)
+        gate.set()
+        await asyncio.gather(first, second)
+        idle = await arith.promptly(threading.get_ident)
+        await holder.close()
+        return waited, order, loop_thread, idle
+
+    waited, order, loop_thread, idle = asyncio.run(scenario())
+    assert waited == []  # the quick call did not overtake the update
+    assert order[0] == "update" and order[1][0] == "quick" and order[1][1] != loop_thread
+    assert idle == loop_thread  # nothing in flight: at once, on the event loop
 
 
 def test_a_large_average_computed_in_halves_is_exact_and_refuses_a_nan_in_either_half():

@@ -575,7 +575,7 @@ class ParameterHolder:
         if self._arith.threaded:
             # Let an update in flight finish first: its version bump decides whether this
             # push is on time, and no push may slip in between its check and the bump.
-            await self.serially(_nothing)
+            await self._arith.promptly(_nothing)
         contribution = Contribution(worker, version, grads, count, loss, tuple(position),
                                     clock=self._members.clocks[worker])
         refusal = self._admit(contribution)
@@ -584,7 +584,7 @@ class ParameterHolder:
         else:
             # An event, not a dropped gradient: its batch counts once, by its first one.
             self.record_event(f"worker {worker}'s gradient refused: {refusal}")
-        return await self.serially(self._reply, worker)
+        return await self._arith.promptly(self._reply, worker)
 
     def _admit(self, contribution: Contribution) -> str | None:
         """Why a gradient of work claimed on demand is not taken (its batch was applied

@@ -100,6 +100,8 @@ class Arithmetic:
         self._leases: dict[int, int] = {}  # id of a leased buffer -> leases on it
         self._spare: list[torch.Tensor] = []
         self.threaded = layout.size > INLINE_SIZE
+        # Calls of serially not yet returned (counted on the event loop, the only caller).
+        self._in_flight = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dasktrain-holder") if self.threaded else None
         self._helper = concurrent.futures.ThreadPoolExecutor(
@@ -111,7 +113,20 @@ class Arithmetic:
         """Run ``fn(*args)`` in order with every other call of this method."""
         if self._executor is None:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn,
+                                                                    *args)
+        finally:
+            self._in_flight -= 1
+
+    async def promptly(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`serially`, for something quick (a lease, a look at the version): on the
+        event loop at once where nothing runs or waits on the serial thread, which saves
+        two hand-offs between threads (each a wake-up; ~0.1-0.3 ms on a busy host)."""
+        if not self._in_flight:
+            return fn(*args)
+        return await self.serially(fn, *args)
 
     def close(self) -> None:
         for pool in (self._executor, self._helper):
