@@ -17,8 +17,10 @@ from dasktrain.trainer.errors import TrainerError
 from dasktrain.trainer.exchange import shared, transfer
 from dasktrain.trainer.exchange.client import ChannelClient
 from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.holder import ParameterHolder
 from dasktrain.trainer.holder.arithmetic import Lease
-from tests.common.channel import serve_channel
+from tests.common.channel import on_loop, serve_channel
+from tests.common.training import zeros_holder
 
 SIZE = 1000
 # Replies this large are copied into the region on the channel's threads, not on its loop.
@@ -162,3 +164,71 @@ def test_a_model_of_the_wrong_size_is_not_moved():
         assert np.array_equal(flat.state(), before)
     finally:
         os.close(fd)
+
+
+def _holder_on(features: int, workers: int, mode: str):
+    async def make():
+        holder = ParameterHolder(zeros_holder(features, workers=workers, mode=mode))
+        for w in range(workers):
+            await holder.join(w, None, holder.layout)
+        return holder
+    return make
+
+
+def _shares(holder, region: np.ndarray) -> bool:
+    return np.shares_memory(holder.values.numpy(), region)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory(mode):
+    """Its replies then cost no copy: the update lands in the worker's model in place, and
+    never while the worker reads it (the reply's lease is kept until its next push)."""
+    box: dict = {}
+
+    async def push(*args):  # the holder's exchange, once it exists
+        return await box["holder"].exchange(*args)
+
+    def reply_region(worker, region, attached):  # the holder's own mapping of the region
+        box["region"] = region
+        box["holder"]._shared_reply(worker, region, attached)
+
+    workers = 1 if mode == "sync" else 2
+    with serve_channel(push, SIZE, shared_reply=reply_region) as server:
+        holder = box["holder"] = on_loop(server, _holder_on(SIZE, workers, mode))
+
+        def shares() -> bool:  # the holder's parameters lie in the worker's model
+            return on_loop(server, _async(_shares, holder, box["region"]))
+
+        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True)
+        try:
+            regions = channel.shared
+            assert regions is not None
+            channel.receive_into(regions.reply)
+            regions.payload[:] = 1.0
+            params, version = channel.push(0, regions.payload, 1, 0.0, (0, 1)).result(10)
+            assert params is regions.reply and version == 1
+            assert (params == -1.0).all() and shares()
+            if mode == "sync":
+                params, version = channel.push(1, regions.payload, 1, 0.0, (0, 2)).result(10)
+                assert version == 2 and (params == -2.0).all()
+                assert shares()  # written in place
+            else:
+                # Worker 1's updates while worker 0 reads its model go elsewhere.
+                for step in range(3):
+                    on_loop(server, lambda s=step: holder.push(
+                        1, 1 + s, np.full(SIZE, 2.0, np.float32), 1, 0.0, (0, s + 1)))
+                assert (regions.reply == -1.0).all()
+                assert not shares()
+                # Worker 0's next reply brings the parameters back into its model.
+                params, version = channel.push(1, regions.payload, 1, 0.0, (0, 2)).result(10)
+                assert version == 5 and (params == -8.0).all()
+                assert shares()
+        finally:
+            channel.stop()
+            on_loop(server, holder.close)
+
+
+def _async(fn, *args):
+    async def call():
+        return fn(*args)
+    return call

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from dasktrain.trainer.exchange.protocol import Order
-from dasktrain.trainer.exchange.server import ChannelServer, PushFunction
+from dasktrain.trainer.exchange.server import ChannelServer, PushFunction, SharedReply
 from dasktrain.trainer.holder.actor import ParameterHolder
 from tests.common.training import zeros_holder
 
@@ -28,11 +28,11 @@ _LOOPS: weakref.WeakKeyDictionary[ChannelServer, asyncio.AbstractEventLoop] = \
 
 @contextlib.contextmanager
 def serve_channel(push: PushFunction, size: int, idle_timeout: float = 600.0,
-                  order: Order | None = None, shared_memory: bool = True
-                  ) -> Iterator[ChannelServer]:
+                  order: Order | None = None, shared_memory: bool = True,
+                  shared_reply: SharedReply | None = None) -> Iterator[ChannelServer]:
     """A server of ``size`` values answering with ``push``, on its own thread's loop."""
     server = ChannelServer(push, size, idle_timeout=idle_timeout, order=order,
-                           shared_memory=shared_memory)
+                           shared_memory=shared_memory, shared_reply=shared_reply)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

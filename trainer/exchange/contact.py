@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dasktrain.trainer.exchange.buckets import bucket_order
-from dasktrain.trainer.exchange.server import ChannelServer, channel_host
+from dasktrain.trainer.exchange.server import ChannelServer, SharedReply, channel_host
 from dasktrain.trainer.flat import FlatLayout
 
 __all__ = ["HolderChannel"]
@@ -40,11 +40,13 @@ class HolderChannel:
     enabled, shared_memory, bucket_bytes
         :class:`~dasktrain.trainer.holder.config.HolderConfig`'s ``direct_channel``,
         ``shared_memory`` and ``bucket_bytes``.
+    shared_reply
+        Told of each worker's reply region in shared memory (see :class:`ChannelServer`).
     """
 
     def __init__(self, exchange: Exchange, layout: FlatLayout, payload_size: int, *,
                  worker_address: str | None, enabled: bool = True, shared_memory: bool = True,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, shared_reply: SharedReply | None = None) -> None:
         self._exchange = exchange
         self._layout = layout
         self._payload_size = payload_size
@@ -52,6 +54,7 @@ class HolderChannel:
         self._enabled = enabled and worker_address is not None
         self._shared_memory = shared_memory
         self._bucket_bytes = bucket_bytes
+        self._shared_reply = shared_reply
         self.server: ChannelServer | None = None
         """The channel's server, once open."""
 
@@ -67,7 +70,8 @@ class HolderChannel:
             server = ChannelServer(self._exchange, self._payload_size,
                                    order=bucket_order(self._layout, self._payload_size,
                                                       self._bucket_bytes),
-                                   shared_memory=self._shared_memory)
+                                   shared_memory=self._shared_memory,
+                                   shared_reply=self._shared_reply)
             try:
                 await server.start(host)
             except OSError as exc:

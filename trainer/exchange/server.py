@@ -54,7 +54,7 @@ from dasktrain.trainer.exchange.protocol import (
 )
 from dasktrain.trainer.exchange.transfer import Movers, drain, recv_into, send, send_error, shut
 
-__all__ = ["ChannelServer", "PushFunction", "channel_host"]
+__all__ = ["ChannelServer", "PushFunction", "SharedReply", "channel_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ _ACCEPT_RETRY = 0.5  # seconds before accepting again after a failed accept
 
 # Takes a push, returns the reply under a lease (``.array``, ``.version``, ``.release()``).
 PushFunction = Callable[..., Awaitable[Any]]
+#: ``(worker, region, attached)``: a worker's reply region in shared memory, or its end.
+SharedReply = Callable[[int, np.ndarray, bool], None]
 
 
 def channel_host(worker_address: str) -> str | None:
@@ -100,14 +102,20 @@ class ChannelServer:
     idle_timeout
         Seconds a worker's connection may send nothing, between pushes or in the middle of
         one, before it is ended (the worker connects again before its next push).
+    shared_reply
+        Told of each worker's reply region in shared memory as its connection begins and
+        ends. A reply whose lease is that region itself (the holder keeps its parameters
+        there) is sent as its header alone, and the lease is kept until the worker's next
+        push or the connection's end: the worker reads its model meanwhile.
     """
 
     def __init__(self, push: PushFunction, size: int,
                  idle_timeout: float = _IDLE_TIMEOUT, order: Order | None = None,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, shared_reply: SharedReply | None = None) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle_timeout must be positive, got {idle_timeout!r}")
         self._push = push
+        self._shared_reply = shared_reply
         self._size = size
         self.order: Order = ((0, size),) if order is None else tuple(order)
         check_order(self.order, size)
@@ -203,7 +211,13 @@ class ChannelServer:
             worker = await self._admit(sock)
             if worker is not None:
                 regions = await self._share(sock)
-                await self._serve_pushes(sock, worker, regions)
+                if regions is not None and self._shared_reply is not None:
+                    self._shared_reply(worker, regions.reply, True)
+                try:
+                    await self._serve_pushes(sock, worker, regions)
+                finally:
+                    if regions is not None and self._shared_reply is not None:
+                        self._shared_reply(worker, regions.reply, False)
         except (ConnectionError, OSError, TimeoutError):
             pass  # the worker went away (it rejoins through the actor if it comes back)
         except Exception:
@@ -253,26 +267,43 @@ class ChannelServer:
                    else regions.payload)
         view = memoryview(payload).cast("B")
         header = bytearray(PUSH.size)
-        while True:
-            await recv_into(sock, memoryview(header), idle)
-            version, count, loss, epoch, batches, nbytes = PUSH.unpack(header)
-            if nbytes not in (-1, view.nbytes):
-                await drain(sock, nbytes, idle)
-                await send_error(sock, idle, VALUE_ERROR,
-                                 f"worker {worker} pushed {max(nbytes, 0) // 4} float32 "
-                                 f"values; the holder's model takes {self._size}: the "
-                                 "worker's model differs from the holder's")
-                continue
-            grads = None
-            if nbytes >= 0:
-                if regions is None:  # else it lies in the shared payload region already
-                    await self._movers.bulk(sock, [view[a * 4:b * 4] for a, b in self.order],
-                                            idle, receive=True)
-                grads = payload
-            lease = await self._apply(sock, worker, version, grads, count, loss,
-                                      (epoch, batches))
-            if lease is not None:
-                await self._reply(sock, lease, regions)
+        kept = None  # the lease of a reply in the worker's own region, while it reads it
+        try:
+            while True:
+                await recv_into(sock, memoryview(header), idle)
+                if kept is not None:  # a push: the worker is done reading its model
+                    kept.release()
+                    kept = None
+                kept = await self._answer(sock, worker, header, payload, view, regions)
+        finally:
+            if kept is not None:
+                kept.release()
+
+    async def _answer(self, sock: socket.socket, worker: int, header: bytearray,
+                      payload: np.ndarray, view: memoryview,
+                      regions: shared.Regions | None) -> Any:
+        """Take the rest of a push whose header came, hand it to the holder, reply; the
+        reply's lease if it is kept (see ``shared_reply``)."""
+        idle = self.idle_timeout
+        version, count, loss, epoch, batches, nbytes = PUSH.unpack(header)
+        if nbytes not in (-1, view.nbytes):
+            await drain(sock, nbytes, idle)
+            await send_error(sock, idle, VALUE_ERROR,
+                             f"worker {worker} pushed {max(nbytes, 0) // 4} float32 "
+                             f"values; the holder's model takes {self._size}: the "
+                             "worker's model differs from the holder's")
+            return None
+        grads = None
+        if nbytes >= 0:
+            if regions is None:  # else it lies in the shared payload region already
+                await self._movers.bulk(sock, [view[a * 4:b * 4] for a, b in self.order],
+                                        idle, receive=True)
+            grads = payload
+        lease = await self._apply(sock, worker, version, grads, count, loss,
+                                  (epoch, batches))
+        if lease is None:
+            return None
+        return await self._reply(sock, lease, regions)
 
     async def _apply(self, sock: socket.socket, worker: int, version: int,
                      grads: np.ndarray | None, count: int, loss: float,
@@ -288,11 +319,20 @@ class ChannelServer:
         return None
 
     async def _reply(self, sock: socket.socket, lease: Any,
-                     regions: shared.Regions | None) -> None:
+                     regions: shared.Regions | None) -> Any:
         """Send the parameters of ``lease`` (into the shared reply region, if any), then
-        give the lease back."""
+        give the lease back; or keep it, returned, where it is the region itself."""
         idle = self.idle_timeout
         out = None
+        in_place = regions is not None and lease.array.ctypes.data == \
+            regions.reply.ctypes.data and lease.array.nbytes == regions.reply.nbytes
+        if in_place:  # the holder keeps its parameters in the worker's model
+            try:
+                await send(sock, idle, REPLY.pack(OK, lease.version, lease.array.nbytes))
+            except BaseException:
+                lease.release()
+                raise
+            return lease
         try:
             out = memoryview(lease.array).cast("B")
             if regions is not None:
@@ -309,6 +349,7 @@ class ChannelServer:
             # Sent (or failed): the holder may write to that buffer again.
             del out
             lease.release()
+        return None
 
     def _forget(self, sock: socket.socket, worker: int | None) -> None:
         """A connection has ended: close it, and drop it wherever it was kept."""

@@ -7,7 +7,9 @@ already lie in memory the holder reads (its model's ``.grad`` tensors are views 
 first region, see :meth:`FlatModel.adopt`), and the holder writes fresh parameters straight
 into the second, which is the worker's model itself. Only the push's header and the reply's
 travel on the socket, and they order the accesses: the holder reads the payload between a
-header and its reply, and the worker writes it only after the reply came.
+header and its reply, and the worker writes it only after the reply came. The holder may
+even keep its parameters in the second region (see ``Arithmetic.adopt``): its updates then
+land in the worker's model in place, and only while the worker waits for a reply.
 
 The file is a Linux ``memfd``: it has no name, lives as long as someone maps it (a process
 that dies takes nothing with it and leaves nothing behind), and is passed over the

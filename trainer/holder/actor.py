@@ -118,7 +118,9 @@ class ParameterHolder:
             self.exchange, self.layout, self._payload_size,
             worker_address=None if self._worker is None else self._worker.address,
             enabled=config.direct_channel, shared_memory=config.shared_memory,
-            bucket_bytes=config.bucket_bytes)
+            bucket_bytes=config.bucket_bytes, shared_reply=self._shared_reply)
+        # The reply regions of workers that share memory with the holder (see adopt).
+        self._reply_regions: dict[int, np.ndarray] = {}
         self._closed = False
 
     # -- the host interface (see dasktrain.trainer.modes.base) --------------------------
@@ -584,7 +586,7 @@ class ParameterHolder:
         else:
             # An event, not a dropped gradient: its batch counts once, by its first one.
             self.record_event(f"worker {worker}'s gradient refused: {refusal}")
-        return await self._arith.promptly(self._reply, worker)
+        return await self._arith.promptly(self._reply, worker, True)
 
     def _admit(self, contribution: Contribution) -> str | None:
         """Why a gradient of work claimed on demand is not taken (its batch was applied
@@ -607,12 +609,27 @@ class ParameterHolder:
         finally:
             lease.release()
 
-    def _reply(self, worker: int) -> Lease:
+    def _reply(self, worker: int, pushed: bool = False) -> Lease:
+        """The reply to ``worker``, leased; ``pushed``: to its push, which it waits for
+        without reading its model."""
         custom = self._mode.reply(worker)
         self._mode.sent(worker)
         if custom is not None:
             return Lease(custom, self._version, None)
+        region = self._reply_regions.get(worker) if pushed else None
+        if region is not None:  # the worker waits for this reply: its region is free
+            self._arith.adopt(region, [r for w, r in self._reply_regions.items()
+                                       if w != worker])
         return self._arith.lease(self._version)
+
+    def _shared_reply(self, worker: int, region: np.ndarray, attached: bool) -> None:
+        """The channel's news: ``worker``'s model lives in ``region``, shared with this
+        process (``attached``), or no longer (its connection ended). The master state may
+        then move there (:meth:`Arithmetic.adopt`): the worker's replies cost no copy."""
+        if attached:
+            self._reply_regions[worker] = region
+        elif self._reply_regions.get(worker) is region:
+            del self._reply_regions[worker]
 
     async def set_lr_factor(self, factor: float) -> float:
         """Multiply the learning-rate schedule by ``factor`` from the next update on."""

@@ -99,6 +99,9 @@ class Arithmetic:
         self._lock = threading.Lock()  # lease counts: released from any thread
         self._leases: dict[int, int] = {}  # id of a leased buffer -> leases on it
         self._spare: list[torch.Tensor] = []
+        # Where master states may live that the holder does not own (see adopt): never
+        # taken for spares, whose copies would land in a worker's model.
+        self._foreign: set[int] = set()
         self.threaded = layout.size > INLINE_SIZE
         # Calls of serially not yet returned (counted on the event loop, the only caller).
         self._in_flight = 0
@@ -179,7 +182,8 @@ class Arithmetic:
                     self._leases[key] = left
                 else:
                     del self._leases[key]
-                    if buffer is not self._flat and len(self._spare) < _SPARE_BUFFERS:
+                    if buffer is not self._flat and len(self._spare) < _SPARE_BUFFERS \
+                            and buffer.data_ptr() not in self._foreign:
                         self._spare.append(buffer)
 
         return Lease(buffer.numpy(), version, release)
@@ -194,6 +198,35 @@ class Arithmetic:
         self._flat = fresh
         # The optimizer's state is keyed by the Parameter objects, not their storage.
         self._optim.repoint(fresh[: self.layout.num_params])
+
+    def adopt(self, into: np.ndarray, others: Sequence[np.ndarray] = ()) -> bool:
+        """Keep the master state in ``into`` from now on (call inside the serial section,
+        when its owner does not read it): the shared memory a worker's model lives in (see
+        :mod:`dasktrain.trainer.exchange.shared`), so that its replies need no copy and
+        updates land in its model in place. The state is copied there once; copy-on-write
+        may move it out again, and a later call moves it back. Not where the master state
+        is in another worker's memory (``others``; no moving back and forth), nor for a
+        model with buffers, which its forward pass writes into that memory. Whether the
+        master state is in ``into`` now."""
+        current = self._flat
+        if current.data_ptr() == into.ctypes.data:
+            return True
+        if self.layout.num_buffers or into.dtype != np.float32 \
+                or into.shape != tuple(current.shape) or not into.flags.writeable \
+                or any(current.data_ptr() == o.ctypes.data for o in others):
+            return False
+        target = torch.from_numpy(into)
+        target.copy_(current)
+        with self._lock:
+            self._foreign.add(target.data_ptr())
+            # The buffer left behind: a spare unless a lease still reads it (it becomes
+            # one when that lease is given back) or it is a worker's.
+            if id(current) not in self._leases and len(self._spare) < _SPARE_BUFFERS \
+                    and current.data_ptr() not in self._foreign:
+                self._spare.append(current)
+            self._flat = target
+        self._optim.repoint(target[: self.layout.num_params])
+        return True
 
     # -- updates -----------------------------------------------------------------------
     def average(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
