@@ -11,13 +11,23 @@ back to the actor's calls. A worker sends its token the moment it connects, so i
 room long before ``capacity`` newer connections could push it out; a silent connection is
 the one that grows old there. The descriptors held stay bounded all the same, and an
 authenticated connection never counts: it has left the room.
+
+:class:`Refusals` keeps the warnings of refused connections few, and
+:func:`local_listener` opens the local socket workers on the holder's host connect to.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import secrets
 import socket
+import sys
+import time
 
-__all__ = ["WaitingRoom"]
+__all__ = ["Refusals", "WaitingRoom", "local_listener"]
+
+_LOG_EVERY = 60.0  # seconds between warnings of refused connections
 
 
 class WaitingRoom:
@@ -52,3 +62,42 @@ class WaitingRoom:
 
     def __contains__(self, sock: object) -> bool:
         return sock in self._waiting
+
+
+def local_listener() -> socket.socket | None:
+    """A listening socket in Linux's abstract namespace (no file to clean up, gone with the
+    process), or None where there is none. Its random name is only learnt through the
+    actor, and a connection to it still has to present a worker's token."""
+    if not sys.platform.startswith("linux"):
+        return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(f"\0dasktrain-channel-{secrets.token_hex(16)}")
+        listener.listen(64)
+        listener.setblocking(False)
+    except OSError:
+        listener.close()
+        return None
+    return listener
+
+
+class Refusals:
+    """Warns of refused connections at most once every ``_LOG_EVERY`` seconds, counting the
+    rest: a flood of connections must not become a flood of log lines."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._quiet_until = -math.inf
+        self._unreported = 0
+
+    def note(self, why: str) -> None:
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._unreported += 1
+            return
+        others = (f"; {self._unreported} more closed since the last warning"
+                  if self._unreported else "")
+        self._logger.warning("parameter holder: closed a push connection: %s%s (further ones in "
+                       "the next %.0fs are only counted)", why, others, _LOG_EVERY)
+        self._quiet_until = now + _LOG_EVERY
+        self._unreported = 0

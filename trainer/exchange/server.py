@@ -24,18 +24,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import secrets
 import socket
-import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from dasktrain.trainer.exchange import shared
-from dasktrain.trainer.exchange.admission import WaitingRoom
+from dasktrain.trainer.exchange.admission import Refusals, WaitingRoom, local_listener
 from dasktrain.trainer.exchange.buckets import reply_order
 from dasktrain.trainer.exchange.protocol import (
     ACCEPTED,
@@ -65,7 +62,6 @@ _HELLO_TIMEOUT = 3.0  # seconds a new connection has to present its token, in al
 # it, the oldest is closed: see .admission).
 _MAX_UNAUTHENTICATED = 32
 _IDLE_TIMEOUT = 600.0  # default seconds of silence after which a worker's connection ends
-_LOG_EVERY = 60.0  # seconds between warnings of refused connections
 _ACCEPT_RETRY = 0.5  # seconds before accepting again after a failed accept
 
 # Takes a push, returns the reply under a lease (``.array``, ``.version``, ``.release()``).
@@ -131,7 +127,7 @@ class ChannelServer:
         self._sockets: set[socket.socket] = set()
         self._by_worker: dict[int, socket.socket] = {}
         self._waiting = WaitingRoom(_MAX_UNAUTHENTICATED)  # still to present a token
-        self._refusals = _Refusals()
+        self._refusals = Refusals(logger)
         self.address: tuple[str, int] | None = None
 
     async def start(self, host: str) -> None:
@@ -149,7 +145,7 @@ class ChannelServer:
         loop = asyncio.get_running_loop()
         self._listening.append((listener, loop.create_task(self._accept(listener))))
         self.address = (host, listener.getsockname()[1])
-        local = _local_listener()
+        local = local_listener()
         if local is not None:
             self._listening.append((local, loop.create_task(self._accept(local))))
             self.local_name = local.getsockname()
@@ -382,41 +378,3 @@ class ChannelServer:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=CONNECT_TIMEOUT)
         self._movers.shutdown()
-
-
-def _local_listener() -> socket.socket | None:
-    """A listening socket in Linux's abstract namespace (no file to clean up, gone with the
-    process), or None where there is none. Its random name is only learnt through the
-    actor, and a connection to it still has to present a worker's token."""
-    if not sys.platform.startswith("linux"):
-        return None
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(f"\0dasktrain-channel-{secrets.token_hex(16)}")
-        listener.listen(64)
-        listener.setblocking(False)
-    except OSError:
-        listener.close()
-        return None
-    return listener
-
-
-class _Refusals:
-    """Warns of refused connections at most once every ``_LOG_EVERY`` seconds, counting the
-    rest: a flood of connections must not become a flood of log lines."""
-
-    def __init__(self) -> None:
-        self._quiet_until = -math.inf
-        self._unreported = 0
-
-    def note(self, why: str) -> None:
-        now = time.monotonic()
-        if now < self._quiet_until:
-            self._unreported += 1
-            return
-        others = (f"; {self._unreported} more closed since the last warning"
-                  if self._unreported else "")
-        logger.warning("parameter holder: closed a push connection: %s%s (further ones in "
-                       "the next %.0fs are only counted)", why, others, _LOG_EVERY)
-        self._quiet_until = now + _LOG_EVERY
-        self._unreported = 0
