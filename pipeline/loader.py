@@ -34,7 +34,7 @@ from dasktrain.pipeline.feeder import Feeder
 from dasktrain.pipeline.fetch import Batch, Delivery, Tensors, unit_where
 from dasktrain.pipeline.finish import split_transform
 from dasktrain.pipeline.named import check_pair_batches
-from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit
+from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit, check_shares
 from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.submit import PLACEMENTS, Submitter, placement_kwargs, release
 from dasktrain.pipeline.tasks import ArraysRef, Transform
@@ -44,7 +44,9 @@ __all__ = ["Pipeline"]
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
-               "shuffle_blocks", "block_rows", "drop_last")
+               "shuffle_blocks", "block_rows", "drop_last", "shares")
+# May differ at an epoch boundary: the next epoch is cut anew.
+_RECUT_KEYS = ("world_size", "rank", "shares")
 
 
 class Pipeline:
@@ -92,6 +94,11 @@ class Pipeline:
         Drop the last global batch if it is partial.
     rank, world_size
         This consumer's part of each epoch: global batches ``rank, rank + world_size, ...``.
+    shares
+        Rows of each rank's batch, one count per rank adding up to ``world_size x
+        batch_size`` (default: ``batch_size`` each). Step ``k`` of all ranks together still
+        covers the same rows, so a faster consumer can take more of them; see
+        :meth:`set_shares`.
     device
         Where batches land (``"cuda"``: pinned memory and non-blocking copies); default CPU.
     client
@@ -127,6 +134,7 @@ class Pipeline:
         drop_last: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        shares: Sequence[int] | None = None,
         device: str | torch.device | None = None,
         client: Client | None = None,
         placement: str = "auto",
@@ -166,6 +174,10 @@ class Pipeline:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if shares is not None:
+            check_shares(tuple(shares), world_size, batch_size)
+            if drop_last:
+                raise ValueError("shares cannot be given with drop_last=True")
         if batch_size > n:
             raise ValueError(f"batch_size {batch_size} is larger than the {n} samples of "
                              f"{self.dataset!r}; use a smaller batch or more data")
@@ -183,6 +195,7 @@ class Pipeline:
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
+        self._shares = tuple(shares) if shares is not None else None
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.placement = placement if placement != "auto" else \
             ("consumer" if transform is None else "anywhere")
@@ -228,6 +241,26 @@ class Pipeline:
         if self._ahead is not None and self._ahead.epoch != epoch:
             self._drop_ahead()
 
+    @property
+    def shares(self) -> tuple[int, ...] | None:
+        """Rows of each rank's batch (None: ``batch_size`` each)."""
+        return self._shares
+
+    def set_shares(self, shares: Sequence[int] | None) -> None:
+        """Cut the next epoch's steps into these rows per rank (every rank must be given
+        the same); only between epochs."""
+        shares = tuple(shares) if shares is not None else None
+        if shares == self._shares:
+            return
+        if self._position != 0:
+            raise ValueError("shares can only change between epochs, not at batch "
+                             f"{self._position} of epoch {self._epoch}")
+        if shares is not None:
+            check_shares(shares, self.world_size, self.batch_size)
+            if self.drop_last:
+                raise ValueError("shares cannot be given with drop_last=True")
+        self._shares = shares
+
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The epoch's plan (pure: the same for every rank, worker count and run)."""
         # Without a transform a window costs a read, whose size barely matters to when the
@@ -237,7 +270,7 @@ class Pipeline:
                          self.batch_size, self.seed, self._epoch if epoch is None else epoch,
                          self.shuffle, self.shuffle_blocks, self.drop_last,
                          self.task_rows if cut else self.shuffle_blocks * self.block_rows,
-                         ramp=cut)
+                         ramp=cut, shares=self._shares)
 
     def __len__(self) -> int:
         return len(self.plan().rank_batches(self.rank, self.world_size))
@@ -249,17 +282,18 @@ class Pipeline:
                 "batch_size": self.batch_size, "world_size": self.world_size,
                 "rank": self.rank, "num_samples": len(self.dataset), "shuffle": self.shuffle,
                 "shuffle_blocks": self.shuffle_blocks, "block_rows": self.block_rows,
-                "drop_last": self.drop_last}
+                "drop_last": self.drop_last,
+                "shares": list(self._shares) if self._shares is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next batches are those an uninterrupted run yields.
 
-        A different ``world_size``/``rank`` is accepted at an epoch boundary (position 0) —
-        the next epoch is re-sharded — but not mid-epoch.
+        A different ``world_size``/``rank``/``shares`` is accepted at an epoch boundary
+        (position 0) — the next epoch is re-sharded — but not mid-epoch.
         """
         mine = self.state_dict()
         for key in _STATE_KEYS:
-            if key in ("world_size", "rank") and state.get("position", 0) == 0:
+            if key in _RECUT_KEYS and state.get("position", 0) == 0:
                 continue
             if state.get(key) != mine[key]:
                 raise ValueError(f"cannot resume: the state has {key}={state.get(key)!r}, this "

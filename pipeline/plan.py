@@ -6,7 +6,12 @@ shuffle settings). It fixes one *global* sequence of samples per epoch:
 1. the range is cut into blocks of ``block_rows`` rows, and the blocks are permuted;
 2. consecutive runs of ``shuffle_blocks`` permuted blocks form *groups*; rows are shuffled
    within each group (a buffer shuffle of ``shuffle_blocks`` blocks);
-3. the groups, concatenated, are cut into global batches of ``batch_size``.
+3. the groups, concatenated, are cut into global batches of ``batch_size``; or, with
+   ``shares`` (rows per rank, ``world_size x batch_size`` in all), into lock-step *steps* of
+   that many rows, of which rank ``r`` takes the ``shares[r]`` rows after those of ranks
+   ``0..r-1``: global batch ``kW + r`` is rank ``r``'s part of step ``k``. Even shares are the
+   global batches of ``batch_size``; uneven ones give a faster rank more of each step's rows
+   while the rows of every step, and so what a lock-step mode trains on, stay the same.
 
 The transform sees each group's shuffled rows in *pieces* of ``piece_rows`` rows (a multiple
 of the batch size), each with an RNG seeded by (seed, epoch, group, piece): neither the order
@@ -37,7 +42,7 @@ import math
 
 import numpy as np
 
-__all__ = ["EpochPlan", "Piece", "Unit", "Window", "run_pieces"]
+__all__ = ["EpochPlan", "Piece", "Unit", "Window", "check_shares", "run_pieces"]
 
 #: Fewest rows the transform sees at a time (rounded up to whole batches).
 MIN_PIECE_ROWS = 256
@@ -91,6 +96,7 @@ class EpochPlan:
     drop_last: bool = False
     task_rows: int = TASK_ROWS
     ramp: bool = True
+    shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.stop <= self.start:
@@ -100,6 +106,31 @@ class EpochPlan:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.epoch < 0 or self.seed < 0:
             raise ValueError("seed and epoch must be non-negative")
+        if self.shares is not None:
+            check_shares(self.shares, len(self.shares), self.batch_size)
+            if self.drop_last:
+                raise ValueError("shares of a step cannot be uneven with drop_last")
+
+    @functools.cached_property
+    def _step_offsets(self) -> np.ndarray:
+        """Where each rank's part of a step starts in it, and the step's rows last (one
+        part of ``batch_size`` rows without shares)."""
+        return np.concatenate([[0], np.cumsum(self.shares or (self.batch_size,))]
+                              ).astype(np.int64)
+
+    def batch_span(self, batch: int) -> tuple[int, int]:
+        """Positions ``[g0, g1)`` of global batch ``batch`` in the epoch's sequence."""
+        offsets = self._step_offsets
+        step, part = divmod(batch, len(offsets) - 1)
+        base = step * int(offsets[-1])
+        return (min(base + int(offsets[part]), self.num_samples),
+                min(base + int(offsets[part + 1]), self.num_samples))
+
+    def batch_at(self, position: int) -> int:
+        """The global batch holding ``position`` of the epoch's sequence."""
+        offsets = self._step_offsets
+        step, rest = divmod(position, int(offsets[-1]))
+        return step * (len(offsets) - 1) + int(np.searchsorted(offsets, rest, "right")) - 1
 
     @property
     def num_samples(self) -> int:
@@ -110,7 +141,7 @@ class EpochPlan:
         """Global batches in the epoch (the last one partial unless ``drop_last``)."""
         if self.drop_last:
             return self.num_samples // self.batch_size
-        return math.ceil(self.num_samples / self.batch_size)
+        return self.batch_at(self.num_samples - 1) + 1
 
     @functools.cached_property
     def block_order(self) -> np.ndarray:
@@ -217,8 +248,7 @@ class EpochPlan:
 
     def batch_pieces(self, batch: int) -> tuple[Piece, ...]:
         """Where global batch ``batch``'s rows lie, window by window."""
-        g0 = batch * self.batch_size
-        g1 = min(g0 + self.batch_size, self.num_samples)
+        g0, g1 = self.batch_span(batch)
         offsets = self.window_offsets
         pieces = []
         w = int(np.searchsorted(offsets, g0, side="right")) - 1
@@ -234,6 +264,9 @@ class EpochPlan:
         """Global batch indices of ``rank``, in order."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if self.shares is not None and len(self.shares) != world_size:
+            raise ValueError(f"the plan's shares are for {len(self.shares)} ranks, not "
+                             f"{world_size}")
         return range(rank, self.num_batches, world_size)
 
     def units(self, rank: int = 0, world_size: int = 1) -> list[Unit]:
@@ -279,9 +312,21 @@ class EpochPlan:
     def window_batches(self, window: int) -> range:
         """Global batches with rows in ``window``."""
         offsets = self.window_offsets
-        first = int(offsets[window]) // self.batch_size
-        last = min((int(offsets[window + 1]) - 1) // self.batch_size, self.num_batches - 1)
+        first = self.batch_at(int(offsets[window]))
+        last = min(self.batch_at(int(offsets[window + 1]) - 1), self.num_batches - 1)
         return range(first, last + 1)
+
+
+def check_shares(shares: tuple[int, ...], world_size: int, batch_size: int) -> None:
+    """Refuse shares that are not ``world_size`` positive row counts summing to
+    ``world_size x batch_size`` (the rows of a step)."""
+    if len(shares) != world_size or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shares):
+        raise ValueError(f"shares must be {world_size} positive row counts, one per rank, "
+                         f"got {shares!r}")
+    if sum(shares) != world_size * batch_size:
+        raise ValueError(f"shares must add up to the {world_size} x {batch_size} rows of a "
+                         f"step, got {shares!r} ({sum(shares)})")
 
 
 @functools.lru_cache(maxsize=4)  # the groups a worker process is cutting into windows

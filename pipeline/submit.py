@@ -105,8 +105,9 @@ class Submitter:
         assert client is not None, "a Dask placement submits through a client"
         epoch = plan.epoch
         # Named by the batches too: units claimed on demand cut one window into several.
-        key = (f"dasktrain-batches-{self.token}-{epoch}-{self.rank}of{self.world_size}-"
-               f"{unit.window}-{unit.batches[0]}-{unit.batches[-1]}")
+        shares = "" if plan.shares is None else "x".join(map(str, plan.shares))
+        key = (f"dasktrain-batches-{self.token}-{epoch}-{self.rank}of{self.world_size}"
+               f"{shares}-{unit.window}-{unit.batches[0]}-{unit.batches[-1]}")
         # Submissions in a burst (or from inside a task) share one scheduler generation,
         # which would leave their order to chance: ask for consumption order explicitly.
         kwargs = {"priority": -(epoch * (plan.num_batches + 1) + unit.batches[0]),
