@@ -30,7 +30,8 @@ def _settings(trainer: dt.Trainer) -> dict:
         "holder_shards": trainer.holder_shards, "timeout": trainer.timeout,
         "barrier_timeout": trainer.barrier_timeout,
         "direct_channel": trainer.direct_channel, "shared_memory": trainer.shared_memory,
-        "bucket_bytes": trainer.bucket_bytes, "on_nonfinite": trainer.on_nonfinite,
+        "balance": trainer.balance, "bucket_bytes": trainer.bucket_bytes,
+        "on_nonfinite": trainer.on_nonfinite,
         "nonfinite_patience": trainer.nonfinite_patience,
         "checkpoint_every": trainer.checkpoint_every, "progress": trainer.show_progress,
         "torch_threads": trainer.torch_threads, "precision": trainer.compute.precision,
@@ -55,7 +56,7 @@ UNUSUAL = [
          precision="bf16", as_dict=True, clip_grad_norm=1.0, clip_grad_value=0.5,
          mode_options={"staleness_bound": 1, "staleness_lr": "inverse"},
          assignment="static", pause_dask_profiler=False),
-    dict(mode="sync", holder_shards=2, progress=False),
+    dict(mode="sync", holder_shards=2, progress=False, balance=False),
 ]
 
 

@@ -101,6 +101,7 @@ _DOCS: dict[str, dict[str, str]] = {
         "barrier_timeout": "seconds a sync step waits for a silent worker",
         "direct_channel": "push over a direct TCP connection to the holder",
         "shared_memory": "workers on the holder's host push through shared memory",
+        "balance": "sync: a faster worker takes more of each step's rows",
         "bucket_bytes": "least bytes of a gradient bucket sent during backward",
         "on_nonfinite": "raise | skip: a non-finite loss or gradient",
         "nonfinite_patience": "refused rounds in a row that stop a run under skip",

@@ -6,6 +6,7 @@ import collections
 import functools
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch
 import dasktrain as dt
 from dasktrain._cluster import worker_info
 from dasktrain.trainer.holder.config import HolderConfig
+from dasktrain.trainer.worker.epoch import trainer_place
 
 
 def mlp(width: int = 4, hidden: int = 8, out: int = 1, seed: int = 0) -> torch.nn.Module:
@@ -78,6 +80,14 @@ def one_process(dataset, make, config, batch_size: int, epochs: int, client, see
             optimizer.step()
             step += 1
     return flat_parameters(model)
+
+
+def slow_on_worker_1(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE, on trainer worker 1 after 0.2 ms of other work per row: a slower device."""
+    place = trainer_place()
+    if place is not None and place[0] == 1:
+        time.sleep(2e-4 * len(target))
+    return mse(output, target)
 
 
 def nan_on(output: torch.Tensor, target: torch.Tensor, special: float) -> torch.Tensor:

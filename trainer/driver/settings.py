@@ -41,7 +41,7 @@ FUNCTION = "function:"
 PLAIN_KEYWORDS = ("mode", "workers", "batch_size", "seed", "shuffle", "prefetch",
                   "shuffle_blocks", "block_rows", "drop_last", "device", "holder_worker",
                   "holder_shards", "timeout", "barrier_timeout", "direct_channel",
-                  "shared_memory", "bucket_bytes", "on_nonfinite", "nonfinite_patience",
+                  "shared_memory", "balance", "bucket_bytes", "on_nonfinite", "nonfinite_patience",
                   "checkpoint_every", "progress", "torch_threads", "precision", "as_dict",
                   "clip_grad_norm", "clip_grad_value", "assignment", "pause_dask_profiler")
 """The Trainer's keyword arguments whose values are plain scalars (``mode_options`` and
@@ -72,6 +72,7 @@ class TrainerSettings(Protocol):
     barrier_timeout: float
     direct_channel: bool
     shared_memory: bool
+    balance: bool
     bucket_bytes: int
     on_nonfinite: str
     nonfinite_patience: int
@@ -251,7 +252,8 @@ def saved_settings(trainer: TrainerSettings) -> dict[str, Any]:
             "holder_worker": trainer.holder_worker, "holder_shards": trainer.holder_shards,
             "timeout": trainer.timeout, "barrier_timeout": trainer.barrier_timeout,
             "direct_channel": trainer.direct_channel,
-            "shared_memory": trainer.shared_memory, "bucket_bytes": trainer.bucket_bytes,
+            "shared_memory": trainer.shared_memory, "balance": trainer.balance,
+            "bucket_bytes": trainer.bucket_bytes,
             "on_nonfinite": trainer.on_nonfinite,
             "nonfinite_patience": trainer.nonfinite_patience,
             "checkpoint_every": trainer.checkpoint_every, "progress": trainer.show_progress,

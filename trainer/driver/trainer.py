@@ -3,7 +3,8 @@
 The public class composes the driver's modules: :mod:`.settings` (the checks of its
 arguments, its settings as plain data), :mod:`.fitting` (the body of ``fit``, with
 :mod:`.resume` and :mod:`.epoch_records`), :mod:`.inference` (``evaluate``, ``predict``)
-and :mod:`.persistence` (``save``, ``load``).
+and :mod:`.persistence` (``save``, ``load``). It stays one piece past 400 lines because
+most of it is the class's documentation of its arguments.
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ class Trainer:
         gradients where backward wrote them and writes fresh parameters into its model (on
         CUDA the host copies go into and out of that memory instead), so no payload
         byte goes through a socket. False: payloads travel on the channel's local socket.
+    balance
+        In ``sync``, cut each step's rows among the workers by their measured speeds: the
+        holder times each worker's part of a step (its reply, forward and backward, its
+        gradient's way back) and from the second epoch on a faster worker takes more of
+        each step's ``workers x batch_size`` rows. The rows of a step, and so the update,
+        stay the same (to float rounding). False: ``batch_size`` rows each, every step.
     bucket_bytes
         On the direct channel a gradient leaves in buckets of whole tensors of at least
         this many bytes, each as soon as backward has computed it (last layers first), so
@@ -201,6 +208,7 @@ class Trainer:
         barrier_timeout: float = 120.0,
         direct_channel: bool = True,
         shared_memory: bool = True,
+        balance: bool = True,
         bucket_bytes: int = BUCKET_BYTES,
         on_nonfinite: str = "raise",
         nonfinite_patience: int = 10,
@@ -249,7 +257,7 @@ class Trainer:
         self.assignment = assignment
         self.timeout, self.barrier_timeout = timeout, barrier_timeout
         self.direct_channel = direct_channel
-        self.shared_memory = bool(shared_memory)
+        self.shared_memory, self.balance = bool(shared_memory), bool(balance)
         self.bucket_bytes = bucket_bytes
         self.on_nonfinite = on_nonfinite
         self.nonfinite_patience = nonfinite_patience

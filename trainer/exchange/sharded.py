@@ -244,7 +244,9 @@ class ShardedHandle(_Shards):
         self._versions = [int(info["version"]) for info in infos]
         return {"params": params, "version": min(self._versions), "epoch": infos[0]["epoch"],
                 "lr_factor": infos[0]["lr_factor"], "world": infos[0]["world"],
-                "position": max(int(info["position"]) for info in infos), "channel": None}
+                "position": max(int(info["position"]) for info in infos), "channel": None,
+                # The first shard's cut of the epoch's steps: every worker follows it.
+                "shares": infos[0].get("shares")}
 
     def share(self, adopt: Callable[[np.ndarray, np.ndarray], bool]) -> bool:
         """The model stays one buffer: each shard's channel copies its slice in and out of

@@ -34,6 +34,7 @@ from dasktrain.trainer.errors import TrainerError, TrainingDiverged
 from dasktrain.trainer.exchange.contact import HolderChannel
 from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.holder.arithmetic import Arithmetic, Lease
+from dasktrain.trainer.holder.balance import Balance
 from dasktrain.trainer.holder.config import HolderConfig
 from dasktrain.trainer.holder.divergence import NonFiniteGuard, all_finite, finite_mean
 from dasktrain.trainer.holder.ledger import WorkLedger
@@ -114,6 +115,10 @@ class ParameterHolder:
         self._error: BaseException | None = None
         self._state_waiters = StateWaiters()
         self._turns = Turns()  # epoch boundaries of tasks that last the fit
+        # Uneven shares of a step, by the workers' speeds: a lock-step mode averaging
+        # gradients by rows, over ranks that own their stride.
+        self._balance = Balance(config.batch_size, config.balance and mode_type.balances
+                                and self._ledger is None)
         self._direct = HolderChannel(
             self.exchange, self.layout, self._payload_size,
             worker_address=None if self._worker is None else self._worker.address,
@@ -448,7 +453,14 @@ class ParameterHolder:
         recorded = self._members.position_in(worker, self._epoch)
         return {"params": params, "version": lease.version, "epoch": self._epoch,
                 "lr_factor": self._arith.lr_factor, "world": self.workers,
-                "position": self._mode.start_position(worker, recorded)}
+                "position": self._mode.start_position(worker, recorded),
+                "shares": self._balance.shares(self._epoch, self.workers)}
+
+    async def epoch_shares(self, epoch: int, world: int) -> tuple[int, ...] | None:
+        """The rows of each worker's batch in ``epoch`` (None: a batch each), for a worker
+        about to compute ahead into it before it began; every worker is told the same."""
+        self._check_usable()
+        return self._balance.shares(epoch, world)
 
     async def _surplus(self, worker: int, address: str | None) -> str | None:
         """Why a task of ``worker`` joining from ``address`` has no place in an elastic run
@@ -500,6 +512,7 @@ class ParameterHolder:
         if report is not None:
             self._turns.report(worker, report)
         self._members.set(worker, "done")
+        self._balance.forget(worker)
         if retired:
             self.record_event(f"worker {worker} left: its Dask worker is retiring")
         self._give_back(worker)
@@ -538,6 +551,7 @@ class ParameterHolder:
         if self._members.state(worker) in ("done", "lost"):
             return
         self._members.set(worker, "lost")
+        self._balance.forget(worker)
         self.record_event(f"worker {worker} dropped: {reason}")
         self._give_back(worker)
         await self._mode.lost(worker)
@@ -580,13 +594,17 @@ class ParameterHolder:
             await self._arith.promptly(_nothing)
         contribution = Contribution(worker, version, grads, count, loss, tuple(position),
                                     clock=self._members.clocks[worker])
+        loop = asyncio.get_running_loop()
+        self._balance.pushed(worker, count if grads is not None else 0, loop.time())
         refusal = self._admit(contribution)
         if refusal is None:
             await self._mode.push(contribution)
         else:
             # An event, not a dropped gradient: its batch counts once, by its first one.
             self.record_event(f"worker {worker}'s gradient refused: {refusal}")
-        return await self._arith.promptly(self._reply, worker, True)
+        lease = await self._arith.promptly(self._reply, worker, True)
+        self._balance.replied(worker, loop.time())
+        return lease
 
     def _admit(self, contribution: Contribution) -> str | None:
         """Why a gradient of work claimed on demand is not taken (its batch was applied
@@ -765,6 +783,7 @@ class ParameterHolder:
             "mode": self.config.mode,
             "mode_state": self._mode.state_dict(),
             "work": None if self._ledger is None else self._ledger.state_dict(),
+            "balance": self._balance.state_dict(),
         }
 
     async def state_at(self, version: int) -> dict[str, Any]:
@@ -797,6 +816,7 @@ class ParameterHolder:
         self.refused = int(state["refused"])
         self._guard.load_state_dict(state.get("nonfinite", {}))
         self._mode.load_state_dict(state["mode_state"])
+        self._balance.load_state_dict(state.get("balance"))
         if self._ledger is not None and state.get("work") is not None:
             self._ledger.load_state_dict(state["work"])
 

@@ -54,6 +54,9 @@ class HolderConfig:
     shared_memory: bool = True
     """Workers on the holder's host push through memory shared with it instead of bytes
     over the direct channel's socket (see :mod:`dasktrain.trainer.exchange.shared`)."""
+    balance: bool = True
+    """Cut each step's rows unevenly among the workers by their measured speeds, in modes
+    where the update stays the same (see :mod:`dasktrain.trainer.holder.balance`)."""
     bucket_bytes: int = BUCKET_BYTES
     """Least bytes of a bucket of the direct channel's payload order (see
     :mod:`dasktrain.trainer.exchange.buckets`)."""

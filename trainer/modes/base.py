@@ -148,6 +148,10 @@ class UpdateMode:
     """True when workers may claim their batches from the holder as they go
     (``assignment="dynamic"``, see :mod:`dasktrain.trainer.holder.ledger`): every mode but
     ``sync``, whose every step takes one batch of each worker."""
+    balances: ClassVar[bool] = False
+    """True when a step's rows may be cut unevenly among the workers, by their speeds (see
+    :mod:`dasktrain.trainer.holder.balance`): a lock-step mode whose update averages the
+    gradients weighted by rows, the same update however the rows are cut (``sync``)."""
     pushes_runs: ClassVar[bool] = False
     """True when a push of claimed work covers a piece of the run its worker claimed
     (``average``: the local steps between two averages; see :meth:`claim_size`), not one

@@ -27,6 +27,7 @@ class SyncMode(RoundMode):
     name = "sync"
     lockstep = True
     may_claim_work = False
+    balances = True
 
     async def push(self, contribution: Contribution) -> None:
         await self.enter_if_current(contribution, "gradient")

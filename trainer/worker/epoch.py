@@ -153,6 +153,8 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
             client=get_client(), **config.pipeline_options)
     pipe.prefetch_next_epoch = following and not claimed
     pipe.set_epoch(epoch)
+    if not claimed:
+        pipe.set_shares(_shares(config, handle, info, epoch, world))
     run_ends: set[int] = set()  # the last batch of each run claimed
     if claimed:
         # Each batch's position is its index in the epoch plan: the holder's ledger knows
@@ -257,6 +259,9 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
     elapsed = time.perf_counter() - started
     report = {"worker": worker, "epoch": epoch, "address": replica.address,
             "steps": step - start,
+            # The rows of its batches, where the holder cut the steps unevenly.
+            "batch_rows": config.batch_size if claimed or pipe.shares is None
+            else pipe.shares[rank],
             "samples": samples, "compute_s": compute, "exchange_s": wait,
             "elapsed_s": elapsed, "data_wait_s": pipe.stats.wait_total,
             # Of that wait, the epoch's first batch: the pipeline starting, not keeping up.
@@ -270,6 +275,18 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
             "first_step_at": first_step_at,
             "last_step_at": last_step_at if step > start else None}
     return report
+
+
+def _shares(config: WorkerConfig, handle: Handle, info: dict[str, Any] | None, epoch: int,
+            world: int) -> tuple[int, ...] | None:
+    """The rows of each rank's batch in ``epoch`` (None: a batch each), as the holder cut
+    its steps (see :mod:`dasktrain.trainer.holder.balance`): in its answer to the join, or
+    asked for by a worker computing ahead into an epoch not yet begun."""
+    if not mode_class(config.mode).balances:
+        return None
+    shares = info.get("shares") if info is not None else handle.request(
+        "epoch_shares", epoch, world, what=f"the shares of epoch {epoch}")
+    return tuple(shares) if shares is not None and len(shares) == world else None
 
 
 def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
