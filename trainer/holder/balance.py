@@ -26,7 +26,7 @@ __all__ = ["Balance"]
 
 #: Change shares only where one moves by more than this part of a batch: measurement
 #: noise between equal workers stays below it.
-MIN_CHANGE = 0.04
+MIN_CHANGE = 0.02
 #: The least share of a worker, as a part of a batch: a slow worker still computes
 #: something each step, and its speed can still be measured.
 MIN_SHARE = 0.25
