@@ -113,20 +113,27 @@ def test_balance_cuts_by_measured_speed_and_ignores_noise():
     assert Balance(batch_size=30, enabled=False).shares(0, 2) is None
 
 
-def test_sync_gives_a_slow_worker_fewer_rows_and_trains_the_same(client, regression):
+def test_sync_gives_a_slow_worker_fewer_rows_and_trains_the_same(client, regression,
+                                                                  tmp_path):
     """With one worker slower per row, from the second epoch on the other takes more of
     each step's rows, and the fit still ends where one process on the union batches
-    does."""
+    does; a resumed fit goes on with the cut it had."""
     config = dt.optim.sgd(0.05)
     trainer = dt.Trainer(mlp, slow_on_worker_1, config, mode="sync", workers=2,
                          batch_size=16, progress=False)
-    history = trainer.fit(regression, epochs=3, client=client)
+    history = trainer.fit(regression, epochs=3, client=client, checkpoint=tmp_path / "run")
     rows = [[w["batch_rows"] for w in e["per_worker"]] for e in history.epochs]
     assert rows[0] == [16, 16]
     assert all(fast > 16 > slow and fast + slow == 32 for fast, slow in rows[1:]), rows
     expected = one_process(regression, mlp, config, 32, 3, client)
     torch.testing.assert_close(flat_parameters(trainer.model), expected, rtol=1e-5,
                                atol=1e-5)
+    resumed = dt.Trainer(mlp, slow_on_worker_1, config, mode="sync", workers=2,
+                         batch_size=16, progress=False)
+    history = resumed.fit(regression, epochs=4, client=client, resume=tmp_path / "run")
+    assert history.epochs[-1]["epoch"] == 3
+    fast, slow = [w["batch_rows"] for w in history.epochs[-1]["per_worker"]]
+    assert fast > 16 > slow, (fast, slow)
     even = dt.Trainer(mlp, slow_on_worker_1, config, mode="sync", workers=2,
                       batch_size=16, progress=False, balance=False)
     history = even.fit(regression, epochs=2, client=client)
