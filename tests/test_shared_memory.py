@@ -190,7 +190,7 @@ def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory
 
     def reply_region(worker, region, attached):  # the holder's own mapping of the region
         box["region"] = region
-        box["holder"]._shared_reply(worker, region, attached)
+        box["holder"]._arith.region_shared(worker, region, attached)
 
     workers = 1 if mode == "sync" else 2
     with serve_channel(push, SIZE, shared_reply=reply_region) as server:

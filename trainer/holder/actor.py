@@ -11,7 +11,7 @@ documented in :mod:`dasktrain.trainer.modes.base`. How it is built is
 Every public method is ``async`` and runs on the holder worker's event loop, so barriers are
 plain asyncio futures; the arithmetic runs in the serial section of :mod:`.arithmetic`.
 
-The actor stays one piece of some 820 lines because every method left reads or moves the
+The actor stays one piece of some 850 lines because every method left reads or moves the
 same version, epoch and membership state under that one serial section (the wire's calls, the
 modes' host interface, the checkpoint of that state, the epoch boundaries that the workers
 and membership decide): split further, the parts would share
@@ -123,9 +123,7 @@ class ParameterHolder:
             self.exchange, self.layout, self._payload_size,
             worker_address=None if self._worker is None else self._worker.address,
             enabled=config.direct_channel, shared_memory=config.shared_memory,
-            bucket_bytes=config.bucket_bytes, shared_reply=self._shared_reply)
-        # The reply regions of workers that share memory with the holder (see adopt).
-        self._reply_regions: dict[int, np.ndarray] = {}
+            bucket_bytes=config.bucket_bytes, shared_reply=self._arith.region_shared)
         self._closed = False
 
     # -- the host interface (see dasktrain.trainer.modes.base) --------------------------
@@ -634,20 +632,9 @@ class ParameterHolder:
         self._mode.sent(worker)
         if custom is not None:
             return Lease(custom, self._version, None)
-        region = self._reply_regions.get(worker) if pushed else None
-        if region is not None:  # the worker waits for this reply: its region is free
-            self._arith.adopt(region, [r for w, r in self._reply_regions.items()
-                                       if w != worker])
+        if pushed:  # the worker waits for this reply: its model's region is free
+            self._arith.adopt_for(worker)
         return self._arith.lease(self._version)
-
-    def _shared_reply(self, worker: int, region: np.ndarray, attached: bool) -> None:
-        """The channel's news: ``worker``'s model lives in ``region``, shared with this
-        process (``attached``), or no longer (its connection ended). The master state may
-        then move there (:meth:`Arithmetic.adopt`): the worker's replies cost no copy."""
-        if attached:
-            self._reply_regions[worker] = region
-        elif self._reply_regions.get(worker) is region:
-            del self._reply_regions[worker]
 
     async def set_lr_factor(self, factor: float) -> float:
         """Multiply the learning-rate schedule by ``factor`` from the next update on."""

@@ -102,6 +102,8 @@ class Arithmetic:
         # Where master states may live that the holder does not own (see adopt): never
         # taken for spares, whose copies would land in a worker's model.
         self._foreign: set[int] = set()
+        # The reply regions of workers that share memory with the holder (see adopt).
+        self._regions: dict[int, np.ndarray] = {}
         self.threaded = layout.size > INLINE_SIZE
         # Calls of serially not yet returned (counted on the event loop, the only caller).
         self._in_flight = 0
@@ -198,6 +200,25 @@ class Arithmetic:
         self._flat = fresh
         # The optimizer's state is keyed by the Parameter objects, not their storage.
         self._optim.repoint(fresh[: self.layout.num_params])
+
+    def region_shared(self, worker: int, region: np.ndarray, attached: bool) -> None:
+        """``worker``'s model lives in ``region``, memory shared with this process
+        (``attached``), or no longer (its connection ended): see :meth:`adopt_for`."""
+        with self._lock:
+            if attached:
+                self._regions[worker] = region
+            elif self._regions.get(worker) is region:
+                del self._regions[worker]
+
+    def adopt_for(self, worker: int) -> None:
+        """Keep the master state in ``worker``'s region, if it shares one (see
+        :meth:`adopt`), while the worker waits for a reply (so does not read it); call
+        inside the serial section."""
+        with self._lock:
+            regions = dict(self._regions)
+        region = regions.pop(worker, None)
+        if region is not None:
+            self.adopt(region, list(regions.values()))
 
     def adopt(self, into: np.ndarray, others: Sequence[np.ndarray] = ()) -> bool:
         """Keep the master state in ``into`` from now on (call inside the serial section,
