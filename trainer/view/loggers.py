@@ -23,7 +23,8 @@ __all__ = ["JsonLinesLogger", "MLflowLogger", "TensorBoardLogger", "epoch_scalar
 
 def epoch_scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numbers of an epoch record, flat: ``samples_per_s``, ``stall``, ``train_<m>``,
-    ``val_<m>``, ``worker<i>_stall``, ``worker<i>_samples_per_s``."""
+    ``val_<m>``, ``worker<i>_stall``, ``worker<i>_samples_per_s``, ``worker<i>_batch_rows``
+    (its share of a ``sync`` step, see the Trainer's ``balance``)."""
     out: dict[str, float] = {}
     for name in ("wall_s", "samples", "samples_per_s", "stall", "exchange_s"):
         if record.get(name) is not None:
@@ -32,8 +33,9 @@ def epoch_scalars(record: dict[str, Any]) -> dict[str, float]:
         for name, value in (record.get(where) or {}).items():
             out[prefix + name] = float(value)
     for entry in record.get("per_worker") or ():
-        for name in ("stall", "samples_per_s"):
-            out[f"worker{entry['worker']}_{name}"] = float(entry[name])
+        for name in ("stall", "samples_per_s", "batch_rows"):
+            if entry.get(name) is not None:
+                out[f"worker{entry['worker']}_{name}"] = float(entry[name])
     return out
 
 
@@ -109,7 +111,8 @@ class TensorBoardLogger(Callback):
     Per update (step = holder version): ``train/loss``, ``train/contributors``,
     ``train/staleness`` (mean of the update's gradients). Per epoch (step = epoch):
     ``epoch/samples_per_s``, ``epoch/stall``, ``epoch/train_<metric>``,
-    ``epoch/val_<metric>``, ``workers/stall/<i>``, ``workers/samples_per_s/<i>``, and a
+    ``epoch/val_<metric>``, ``workers/stall/<i>``, ``workers/samples_per_s/<i>``,
+    ``workers/batch_rows/<i>``, and a
     histogram of the epoch's staleness. ``every``: log every n-th update only. Needs the
     ``tensorboard`` package (``pip install "dasktrain[tensorboard]"``).
     """
