@@ -111,6 +111,12 @@ def test_balance_cuts_by_measured_speed_and_ignores_noise():
         now += 0.03
     assert balance.shares(2, 2) == (40, 20)
     assert Balance(batch_size=30, enabled=False).shares(0, 2) is None
+    tiny = Balance(batch_size=1, enabled=True)  # every worker keeps a row of each step
+    for worker, seconds in ((0, 0.001), (1, 0.1), (2, 0.1)):
+        tiny.replied(worker, 0.0)
+        tiny.pushed(worker, 1, seconds)
+    shares = tiny.shares(1, 3)
+    assert shares is None or (sum(shares) == 3 and min(shares) >= 1), shares
 
 
 def test_sync_gives_a_slow_worker_fewer_rows_and_trains_the_same(client, regression,

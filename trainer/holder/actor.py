@@ -456,8 +456,9 @@ class ParameterHolder:
 
     async def epoch_shares(self, epoch: int, world: int) -> tuple[int, ...] | None:
         """The rows of each worker's batch in ``epoch`` (None: a batch each), for a worker
-        about to compute ahead into it before it began; every worker is told the same."""
-        self._check_usable()
+        about to compute ahead into it before it began; every worker is told the same.
+        (Answered also once the fit ended: the answer to the worker's question for that
+        epoch says so, and it stops there.)"""
         return self._balance.shares(epoch, world)
 
     async def _surplus(self, worker: int, address: str | None) -> str | None:

@@ -91,6 +91,8 @@ class Balance:
         wanted = [max(least, rate / sum(rates) * total) for rate in rates]
         shares = [round(w * total / sum(wanted)) for w in wanted]
         shares[shares.index(max(shares))] += total - sum(shares)
+        if min(shares) < 1:  # rounding left a worker nothing (tiny batches): keep the cut
+            return current
         was = current or (batch,) * world
         if max(abs(a - b) for a, b in zip(shares, was, strict=True)) <= MIN_CHANGE * batch:
             return current
