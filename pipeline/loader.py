@@ -175,9 +175,7 @@ class Pipeline:
             if not ok:
                 raise ValueError(message)
         if shares is not None:
-            check_shares(tuple(shares), world_size, batch_size)
-            if drop_last:
-                raise ValueError("shares cannot be given with drop_last=True")
+            check_shares(tuple(shares), world_size, batch_size, drop_last)
         if batch_size > n:
             raise ValueError(f"batch_size {batch_size} is larger than the {n} samples of "
                              f"{self.dataset!r}; use a smaller batch or more data")
@@ -256,9 +254,7 @@ class Pipeline:
             raise ValueError("shares can only change between epochs, not at batch "
                              f"{self._position} of epoch {self._epoch}")
         if shares is not None:
-            check_shares(shares, self.world_size, self.batch_size)
-            if self.drop_last:
-                raise ValueError("shares cannot be given with drop_last=True")
+            check_shares(shares, self.world_size, self.batch_size, self.drop_last)
         self._shares = shares
 
     def plan(self, epoch: int | None = None) -> EpochPlan:

@@ -107,9 +107,7 @@ class EpochPlan:
         if self.epoch < 0 or self.seed < 0:
             raise ValueError("seed and epoch must be non-negative")
         if self.shares is not None:
-            check_shares(self.shares, len(self.shares), self.batch_size)
-            if self.drop_last:
-                raise ValueError("shares of a step cannot be uneven with drop_last")
+            check_shares(self.shares, len(self.shares), self.batch_size, self.drop_last)
 
     @functools.cached_property
     def _step_offsets(self) -> np.ndarray:
@@ -317,9 +315,13 @@ class EpochPlan:
         return range(first, last + 1)
 
 
-def check_shares(shares: tuple[int, ...], world_size: int, batch_size: int) -> None:
+def check_shares(shares: tuple[int, ...], world_size: int, batch_size: int,
+                 drop_last: bool = False) -> None:
     """Refuse shares that are not ``world_size`` positive row counts summing to
-    ``world_size x batch_size`` (the rows of a step)."""
+    ``world_size x batch_size`` (the rows of a step), and any with ``drop_last`` (which
+    drops a partial global batch of ``batch_size``, not a partial step)."""
+    if drop_last:
+        raise ValueError("shares cannot be given with drop_last=True")
     if len(shares) != world_size or not all(
             isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shares):
         raise ValueError(f"shares must be {world_size} positive row counts, one per rank, "

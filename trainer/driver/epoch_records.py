@@ -55,9 +55,9 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
              # Seconds of forward and backward passes, and of waiting for the holder's
              # replies (the exchange, and the slower workers of a lock-step round).
              "compute_s": float(r.get("compute_s", 0.0)),
+             "exchange_s": float(r.get("exchange_s", 0.0)),
              # Rows of each of its batches: more for a faster worker (Trainer's balance).
              "batch_rows": r.get("batch_rows"),
-             "exchange_s": float(r.get("exchange_s", 0.0)),
              # Of the stall, the wait for the epoch's first batch (the pipeline starting).
              "first_batch_s": float(r.get("first_batch_s", 0.0)),
              "gap_s": gaps[int(r["worker"])],

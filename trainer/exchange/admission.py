@@ -97,7 +97,8 @@ class Refusals:
             return
         others = (f"; {self._unreported} more closed since the last warning"
                   if self._unreported else "")
-        self._logger.warning("parameter holder: closed a push connection: %s%s (further ones in "
-                       "the next %.0fs are only counted)", why, others, _LOG_EVERY)
+        self._logger.warning("parameter holder: closed a push connection: %s%s (further "
+                             "ones in the next %.0fs are only counted)", why, others,
+                             _LOG_EVERY)
         self._quiet_until = now + _LOG_EVERY
         self._unreported = 0

@@ -152,7 +152,7 @@ class Arithmetic:
         return [first, second]
 
     def all_finite(self, values: torch.Tensor) -> bool:
-        """Whether every value is finite (see :func:`.divergence.all_finite`)."""
+        """Whether every value is finite (:func:`all_finite`, in halves at once)."""
         return all(self._in_halves(len(values), lambda part: all_finite(values[part])))
 
     # -- reading -----------------------------------------------------------------------

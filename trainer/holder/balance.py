@@ -19,6 +19,7 @@ epochs. Small changes (under :data:`MIN_CHANGE` of a batch) are not made.
 
 from __future__ import annotations
 
+import collections
 import statistics
 from typing import Any
 
@@ -43,7 +44,8 @@ class Balance:
         self.batch_size = batch_size
         self.enabled = enabled and batch_size is not None
         self._replied: dict[int, float] = {}  # when each worker's last reply went out
-        self._speeds: dict[int, list[float]] = {}  # rows per second of a worker's part
+        # Rows per second of each worker's part of a step, the latest KEEP.
+        self._speeds: dict[int, collections.deque[float]] = {}
         self.decided: dict[int, tuple[int, ...] | None] = {}  # shares by epoch
 
     def replied(self, worker: int, now: float) -> None:
@@ -57,9 +59,8 @@ class Balance:
         sent = self._replied.pop(worker, None)
         if sent is None or count <= 0 or now <= sent:
             return
-        speeds = self._speeds.setdefault(worker, [])
-        speeds.append(count / (now - sent))
-        del speeds[:-KEEP]
+        self._speeds.setdefault(worker, collections.deque(maxlen=KEEP)).append(
+            count / (now - sent))
 
     def forget(self, worker: int) -> None:
         """``worker`` left or was lost: its next push follows no reply of ours."""
@@ -78,14 +79,15 @@ class Balance:
     def _decide(self, epoch: int, world: int) -> tuple[int, ...] | None:
         before = self.decided.get(epoch - 1)
         current = before if before is not None and len(before) == world else None
-        if not self.enabled or world < 2 or self.batch_size is None:
+        if not self.enabled or world < 2:
             return None
         speeds = [self._speeds.get(w) for w in range(world)]
         if not all(speeds):
             return current  # somebody has not been measured: nothing new to go by
         self._speeds.clear()
         batch = self.batch_size
-        rates = [statistics.median(s) for s in speeds if s]
+        assert batch is not None  # enabled
+        rates = [statistics.median(s) for s in speeds]
         total = world * batch
         least = max(1, round(MIN_SHARE * batch))
         wanted = [max(least, rate / sum(rates) * total) for rate in rates]
