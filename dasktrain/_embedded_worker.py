@@ -12,6 +12,10 @@ when its parent's pipe closes).
 
 A task's error reaches the caller as its exception; the worker's own "Compute Failed" log
 record of it would only repeat it on the terminal, with a worker traceback, so it is dropped.
+So is a failed sample of Dask's statistical profiler: it reads the frames of threads that
+go on running, and on CPython 3.11 that read can race with them and raise from inside
+``distributed/profile.py`` (dask/distributed#8163). Only that sample is lost; the traceback
+it logs would land on the command's terminal, mid-run.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 class _DropComputeFailed(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("Compute Failed")
+
+
+class _DropProfilerRace(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or record.exc_info[2] is None:
+            return True
+        last = record.exc_info[2]
+        while last.tb_next is not None:
+            last = last.tb_next
+        return not last.tb_frame.f_code.co_filename.endswith(_PROFILER_FILE)
+
+
+_PROFILER_FILE = os.path.join("distributed", "profile.py")
 
 
 def leave_terminal_process_group() -> None:
@@ -53,3 +70,5 @@ def dask_setup(worker: Any) -> None:
     """Preload hook, run once in each worker process as it starts."""
     leave_terminal_process_group()
     logging.getLogger("distributed.worker").addFilter(_DropComputeFailed())
+    # Tornado logs an exception in a periodic callback (the profiler's) on this logger.
+    logging.getLogger("tornado.application").addFilter(_DropProfilerRace())
