@@ -90,7 +90,8 @@ def test_pipeline_batches_follow_the_shares(client, tmp_path):
 
 def test_balance_cuts_by_measured_speed_and_ignores_noise():
     """A worker twice as fast per row gets about two thirds of a step; a few percent of
-    difference changes nothing; the decision of an epoch is kept, also across a state."""
+    difference changes nothing, nor a cut that would save less over an epoch than making it
+    costs; the decision of an epoch is kept, also across a state."""
     balance = Balance(batch_size=30, enabled=True)
     assert balance.shares(0, 2) is None  # nothing measured yet
     now = 0.0
@@ -111,6 +112,13 @@ def test_balance_cuts_by_measured_speed_and_ignores_noise():
         now += 0.03
     assert balance.shares(2, 2) == (40, 20)
     assert Balance(batch_size=30, enabled=False).shares(0, 2) is None
+    short = Balance(batch_size=30, enabled=True)  # 2:1 again, in an epoch of 5 short steps
+    for _ in range(5):
+        for worker, seconds in ((0, 0.001), (1, 0.002)):
+            short.replied(worker, now)
+            short.pushed(worker, 30, now + seconds)
+        now += 0.003
+    assert short.shares(1, 2) is None  # would save 1.7 ms an epoch: less than a new cut costs
     tiny = Balance(batch_size=1, enabled=True)  # every worker keeps a row of each step
     for worker, seconds in ((0, 0.001), (1, 0.1), (2, 0.1)):
         tiny.replied(worker, 0.0)
