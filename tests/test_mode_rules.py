@@ -8,6 +8,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import signal
@@ -729,6 +730,37 @@ def test_a_large_average_computed_in_halves_is_exact_and_refuses_a_nan_in_either
     np.testing.assert_array_equal(after_first, -mean.numpy())
     np.testing.assert_array_equal(after_second, -mean.numpy() - grads[0])
     assert refused == 2
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_plain_sgd_step_in_parts_is_torchs_step_bit_for_bit(momentum):
+    """The holder steps plain SGD in parts at once; each part's ``p -= lr * g`` is what
+    torch's SGD does to the whole. With momentum the optimizer steps whole, parts or not."""
+    from dasktrain.trainer.optim.flat import FlatOptimizer
+    size = 10_007
+    rng = np.random.default_rng(1)
+    start = torch.from_numpy(rng.standard_normal(size).astype(F32))
+    grads = [torch.from_numpy(rng.standard_normal(size).astype(F32)) for _ in range(3)]
+    config = dt.optim.sgd(0.37, momentum=momentum)
+    parted = start.clone()
+    flat = FlatOptimizer(config, parted, [("w", 0, size, (size,))])
+    parts: list[slice] = []
+
+    def in_parts(n, fn):  # uneven parts, one after the other
+        cuts = [0, n // 3, n // 3 + 17, n]
+        for a, b in itertools.pairwise(cuts):
+            parts.append(slice(a, b))
+            fn(slice(a, b))
+
+    for grad in grads:
+        flat.step(grad, 0.37, in_parts=in_parts)
+    whole = torch.nn.Parameter(start.clone())
+    reference = torch.optim.SGD([whole], lr=0.37, momentum=momentum)
+    for grad in grads:
+        whole.grad = grad.clone()
+        reference.step()
+    assert torch.equal(parted, whole.detach())
+    assert len(parts) == (9 if momentum == 0 else 0)
 
 
 # -- 6. option checks --------------------------------------------------------------------

@@ -12,9 +12,10 @@ over ``INLINE_SIZE`` values run them on one private thread (the event loop keeps
 heartbeats and transfers meanwhile); smaller ones on the event loop itself, where the work
 takes less than the hand-off to a thread would add.
 
-The average of large payloads and its finiteness check are computed in two halves at
-once, the second on a helper thread: in lock-step modes every worker waits for the update,
-so a core that would idle takes half of those passes over memory.
+The average of large payloads, its finiteness check and a plain SGD step are computed in
+two halves at once, the second on a helper thread: in lock-step modes every worker waits for
+the update, so a core that would idle takes half of those passes over memory. The check is
+made on each half of the average as it is written, while it is still in cache.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class Arithmetic:
                                     layout.param_segments(), names)
         self._optimizer = self._optim.optimizer
         self._average_buffer = torch.empty(layout.size, dtype=torch.float32)
+        # The sums of the last average's parts, for the finiteness check that follows it.
+        self._average_sums: tuple[torch.Tensor, list[float]] | None = None
         self.updates = 0  # optimizer steps taken (the schedule's step counter)
         self._lock = threading.Lock()  # lease counts: released from any thread
         self._leases: dict[int, int] = {}  # id of a leased buffer -> leases on it
@@ -152,7 +155,11 @@ class Arithmetic:
         return [first, second]
 
     def all_finite(self, values: torch.Tensor) -> bool:
-        """Whether every value is finite (:func:`all_finite`, in halves at once)."""
+        """Whether every value is finite (:func:`all_finite`, in halves at once); for the
+        average just returned by :meth:`average`, from the sums taken as it was written."""
+        sums, self._average_sums = self._average_sums, None
+        if sums is not None and sums[0] is values and all(map(math.isfinite, sums[1])):
+            return True
         return all(self._in_halves(len(values), lambda part: all_finite(values[part])))
 
     # -- reading -----------------------------------------------------------------------
@@ -256,6 +263,7 @@ class Arithmetic:
         next call). ``overflow_safe``: as a weighted sum, which stays finite for finite
         payloads; the running mean takes differences, which overflow near the float32
         limit."""
+        self._average_sums = None
         if not payloads:
             return None
         total = float(sum(weights))
@@ -266,14 +274,15 @@ class Arithmetic:
         if overflow_safe or total <= 0:
             total = total or 1.0
 
-            def weighted_sum(part: slice) -> None:
+            def weighted_sum(part: slice) -> float:
                 torch.mul(tensors[0][part], weights[0] / total, out=out[part])
                 for tensor, weight in zip(tensors[1:], weights[1:], strict=True):
                     out[part].add_(tensor[part], alpha=weight / total)
+                return float(out[part].sum())
         else:
             # A running weighted mean, one pass per further payload: after each step ``out``
             # is the mean of the payloads so far (lerp: out + w * (g - out)).
-            def weighted_sum(part: slice) -> None:
+            def weighted_sum(part: slice) -> float:
                 seen = weights[0] + weights[1]
                 torch.lerp(tensors[0][part], tensors[1][part],
                            weights[1] / seen if seen else 0.5, out=out[part])
@@ -281,7 +290,8 @@ class Arithmetic:
                     seen += weight
                     if weight:
                         out[part].lerp_(tensor[part], weight / seen)
-        self._in_halves(len(out), weighted_sum)
+                return float(out[part].sum())
+        self._average_sums = (out, self._in_halves(len(out), weighted_sum))
         return out
 
     def lr(self, scale: float = 1.0) -> float:
@@ -307,7 +317,8 @@ class Arithmetic:
             if scratch.data_ptr() != grad.data_ptr():
                 scratch.copy_(grad)
             grad = clip_gradient(scratch, *self.clip)
-        self._optim.step(grad, self.lr(lr_scale), first_moment)
+        self._optim.step(grad, self.lr(lr_scale), first_moment,
+                         self._in_halves if self._helper is not None else None)
         self.updates += 1
         if self.layout.num_buffers:
             self._flat[n:].copy_(payload[n:])

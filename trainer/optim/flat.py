@@ -8,12 +8,17 @@ decay) tensors of different settings interleave in the buffer, so the buffer is 
 ``Parameter`` viewing its stretch. The torch optimizer gets one group per setting, holding
 its runs; element-wise optimizers then give exactly what the model's own tensors would, and
 LARS/LAMB keep one trust ratio per model tensor through each run's segments.
+
+Plain SGD (no momentum, no weight decay, one run) can step in parts at once: its step is
+``p -= lr * g`` element by element, so the holder, whose workers all wait for that step in
+lock-step modes, gives half of it to a second core (see ``in_parts`` of :meth:`step`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -147,17 +152,38 @@ class FlatOptimizer:
                     self.optimizer.state.get(param, {}).pop("momentum_buffer", None)
 
     def step(self, grad: torch.Tensor | None = None, lr: float | None = None,
-             first_moment: float | None = None) -> None:
+             first_moment: float | None = None,
+             in_parts: Callable[[int, Callable[[slice], Any]], Any] | None = None) -> None:
         """One step on ``grad`` (default: the attached gradient) at ``lr``, with the
-        running mean of gradients decaying by ``first_moment`` (default: as built)."""
+        running mean of gradients decaying by ``first_moment`` (default: as built).
+
+        ``in_parts(size, fn)`` calls ``fn`` on parts of ``range(size)`` covering it, maybe
+        at once: plain SGD then steps part by part, exactly as ``torch.optim.SGD`` does as a
+        whole (``p.add_(g, alpha=-lr)``); other optimizers ignore it."""
         if lr is not None:
             self.set_lr(lr)
         self.set_first_moment(first_moment)
+        if in_parts is not None and grad is not None and self._plain_sgd():
+            param = self.params[0].data
+            values = grad[self.runs[0].start:self.runs[0].stop]
+            step_lr = self.optimizer.param_groups[0]["lr"]
+            in_parts(len(param), lambda part: param[part].add_(values[part], alpha=-step_lr))
+            return
         if grad is not None:
             self.attach_grad(grad)
         self.optimizer.step()
         if grad is not None:
             self.attach_grad(None)
+
+    def _plain_sgd(self) -> bool:
+        """Whether a step is ``p -= lr * g`` alone (momentum may change between steps)."""
+        if type(self.optimizer) is not torch.optim.SGD or len(self.params) != 1:
+            return False
+        group = self.optimizer.param_groups[0]
+        return group["momentum"] == 0 and group["weight_decay"] == 0 \
+            and not group["maximize"] and isinstance(group["lr"], float) \
+            and not getattr(self.optimizer, "_optimizer_step_pre_hooks", None) \
+            and not getattr(self.optimizer, "_optimizer_step_post_hooks", None)
 
     # -- the state in flat form (``average`` mode averages it) -----------------------------
     def state_size(self) -> int:
