@@ -8,9 +8,11 @@ SGD lr 0.01, on ``regression`` data (100,000 x 32 float32, prepared once with
 512), one torch thread per process. Measured side by side in one run, the two alternating:
 
 * dasktrain: ``dt.Trainer(model, mse_loss, dt.optim.sgd(0.01), mode="sync", workers=2,
-  batch_size=256)`` fitting the dataset for ``--epochs`` epochs on a LocalCluster of 2
-  single-threaded worker processes on 127.0.0.1, the data read through the pipeline, every
-  setting at its default; samples/s of an epoch as its History records it
+  batch_size=256)`` fitting the dataset for ``--epochs`` epochs on the LocalCluster
+  ``fit()`` starts when given no client (2 single-threaded worker processes on 127.0.0.1,
+  each in a session of its own; ``--cluster own``: a LocalCluster made here, its workers in
+  this process's session, as a script's own ``LocalCluster()``), the data read through the
+  pipeline, every setting at its default; samples/s of an epoch as its History records it
   (``history.epochs[i]["samples_per_s"]``: the driver's wall time of the epoch);
 * baseline: ``DistributedDataParallel`` over gloo on 127.0.0.1, 2 spawned processes, the
   whole dataset already in memory as tensors (DDP's best case); every epoch a permutation
@@ -42,6 +44,10 @@ Run: ``.venv/bin/python benchmarks/e2e.py`` (``--hidden 512 1024 --epochs 3 --re
 ``--link-rate 3gbit`` limits the link between the two hosts (tc's token bucket, each way),
 so that moving bytes takes time on a wire rather than the processors' time;
 ``--whole-gradient`` also runs dasktrain with the gradient and the reply each in one piece.
+On Linux with scheduler autogroups (the default of most distributions), processes of one
+session share one group's part of the processors: a script's own LocalCluster shares it with
+the script, the scheduler and the DDP ranks' parent, and ran the small model's steps
+4-5 % slower here than the default cluster, whose workers each start a session.
 ``dasktrain bench`` runs it among the others.
 """
 
@@ -71,7 +77,7 @@ from distributed import Client, LocalCluster
 from torch.nn.parallel import DistributedDataParallel
 
 import dasktrain as dt
-from dasktrain._cluster import NO_DASHBOARD
+from dasktrain._cluster import NO_DASHBOARD, start_local_cluster
 from dasktrain._host_cluster import HostCluster, connect
 from dasktrain._hosts import INTERFACE, Hosts, HostsUnavailable
 from dasktrain._remote import Remote
@@ -355,6 +361,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="on one host, across two (network namespaces of this machine; "
                              "where there are none, shared_memory=False on one host), or "
                              "both (default)")
+    parser.add_argument("--cluster", choices=["default", "own"], default="default",
+                        help="dasktrain's cluster on one host: the one fit() starts when "
+                             "given no client (default), or a LocalCluster made by this "
+                             "script, its workers in the script's session")
     parser.add_argument("--whole-gradient", action="store_true",
                         help="also run dasktrain with the gradient and the reply each in "
                              "one piece (bucket_bytes larger than the model): what sending "
@@ -445,9 +455,10 @@ def main() -> None:
     check = None
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dasktrain-w4-"))
-        cluster = stack.enter_context(LocalCluster(
-            n_workers=WORKERS, threads_per_worker=1, processes=True, host="127.0.0.1",
-            **NO_DASHBOARD))
+        cluster = stack.enter_context(
+            start_local_cluster(n_workers=WORKERS) if args.cluster == "default" else
+            LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
+                         host="127.0.0.1", **NO_DASHBOARD))
         client = stack.enter_context(Client(cluster))
         path = str(Path(tmp) / "regression.zarr")
         data = dt.prepare("regression", path, client=client, samples=args.rows,
@@ -496,7 +507,8 @@ def main() -> None:
                       for row in rows)
     print(f"(2 workers x batch {BATCH}, {args.rows:,} rows; steady epoch = median of epochs "
           f"2..{args.epochs}, medians of {args.repeats} repeats; dasktrain's last epoch: "
-          f"{notes}; {os.cpu_count()} cores; torch {torch.__version__})")
+          f"{notes}; dasktrain's cluster on one host: {args.cluster}; {os.cpu_count()} "
+          f"cores; torch {torch.__version__})")
     if note:
         print(note)
     if args.ratios_json:
