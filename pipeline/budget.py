@@ -48,7 +48,9 @@ class PrefetchBudget:
         """Wait for ``rows`` of free prefetch. False once the consumer has stopped, or (given
         ``finishing``: the epoch is consumed, nothing more will be freed) none is left."""
         while True:
-            if self._acquire(rows, timeout=0.1 if finishing is None else 0.01):
+            # Nothing will be freed once finishing: no wait for it then.
+            wait = 0.1 if finishing is None else 0.0 if finishing.is_set() else 0.01
+            if self._acquire(rows, timeout=wait):
                 if stop.is_set():
                     self.release(rows)
                     return False

@@ -27,7 +27,7 @@ from distributed import Client, get_client
 
 from dasktrain._cluster import embedded_client
 from dasktrain.datasets import Dataset, open_dataset
-from dasktrain.pipeline.ahead import HeadStart
+from dasktrain.pipeline.ahead import HeadStart, submit_ahead
 from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.feeder import Feeder
@@ -343,6 +343,31 @@ class Pipeline:
                          kwargs=placement_kwargs(self.placement, client), local=self._local,
                          finish=self._finish_here)
 
+    @property
+    def _prefetch_rows(self) -> int:
+        return self.prefetch * self.shuffle_blocks * self.block_rows
+
+    def start(self) -> None:
+        """Begin reading the current epoch's first batches now, before the iteration asks
+        for them: a consumer with setup of its own (a trainer building its model) then
+        finds them in hand. As the head start into a next epoch, it takes as much of the
+        prefetch as an iteration would, and is dropped unused if the iteration is another
+        (other shares, a resumed position, another rank or epoch)."""
+        if self._ahead is not None or self._position != 0:
+            return
+        submitter = self._submitter()
+        finishing = threading.Event()
+        finishing.set()  # submit what the prefetch holds now, without waiting for more
+        fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
+        try:
+            self._ahead = submit_ahead(
+                self.plan, self._epoch, submitter,
+                PrefetchBudget(self._prefetch_rows),
+                threading.Event(), finishing, self.stats,
+                lambda future, plan, unit: submitter.fetched(future, plan, unit, fetcher))
+        finally:
+            fetcher.shutdown(wait=False)  # its threads finish the fetches first
+
     def _drop_ahead(self) -> None:
         """Forget work submitted for an epoch that will not come next."""
         if self._ahead is not None:
@@ -378,7 +403,7 @@ class Pipeline:
         ahead = self._take_ahead(epoch, units)
         carried = ahead.rows if ahead is not None else 0
         budget = PrefetchBudget(
-            max(self.prefetch * self.shuffle_blocks * self.block_rows - carried, 0))
+            max(self._prefetch_rows - carried, 0))
         # The head start, if any, is the feeder's from here on.
         for _, batch in self._run(plan, budget, lambda unit: unit_rows(plan, unit), skip,
                                   units=units, ahead=ahead):

@@ -99,6 +99,41 @@ def test_next_epoch_starts_ahead_and_is_dropped_when_another_comes(client, index
     pipe.close()
 
 
+def test_an_epoch_started_before_it_is_read_yields_the_same_batches(client, indexed):
+    """``start()`` submits the epoch's first units before the iteration (a trainer starts
+    reading while it builds its model); the iteration takes them, or drops them when it
+    turns out another (a re-cut, a resumed position)."""
+    common = {"batch_size": 100, "seed": 3, "prefetch": 3, "client": client,
+              "prefetch_next_epoch": False}
+    plain = dt.Pipeline(indexed, **common)
+    expected = np.concatenate(_ids(plain))
+    pipe = dt.Pipeline(indexed, **common)
+    pipe.start()
+    assert pipe.stats.blocks_in_flight == 3  # submitted, bounded by the prefetch
+    assert not concurrent.futures.wait(pipe._ahead.fetched, timeout=60).not_done
+    np.testing.assert_array_equal(np.concatenate(_ids(pipe)), expected)
+    assert pipe.stats.blocks_in_flight == 0
+    ranks = [dt.Pipeline(indexed, rank=r, world_size=2, **common) for r in range(2)]
+    for rank in ranks:  # started for even shares, then cut (60, 140): dropped, re-read
+        rank.set_epoch(1)
+        rank.start()
+        rank.set_shares((60, 140))
+    cut = [_ids(rank) for rank in ranks]
+    # Four whole steps of 200 rows cut (60, 140); the last 3 rows make a short fifth step.
+    assert [len(b) for b in cut[0][:4]] == [60] * 4 and [len(b) for b in cut[1][:4]] == [140] * 4
+    np.testing.assert_array_equal(np.sort(np.concatenate(cut[0] + cut[1])),
+                                  np.arange(len(indexed)))
+    resumed = dt.Pipeline(indexed, **common)
+    resumed.start()
+    state = resumed.state_dict()
+    state["position"] = 4
+    resumed.load_state_dict(state)  # past the start: what was read ahead goes
+    assert resumed.stats.blocks_in_flight == 0
+    np.testing.assert_array_equal(np.concatenate(_ids(resumed)), expected[400:])
+    for p in [plain, pipe, resumed, *ranks]:
+        p.close()
+
+
 # The feeder of a head start, held up inside a submission until the test lets it go.
 _LATE = {"gate": threading.Event(), "entered": threading.Event(), "thread": None}
 

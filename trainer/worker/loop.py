@@ -24,9 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from distributed import get_worker, secede
+from distributed import get_client, get_worker, secede
 
 from dasktrain._malloc import tune_allocator
+from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.exchange.sharded import open_handle
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.worker import kept
@@ -108,10 +109,14 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
         torch.set_num_threads(config.torch_threads)
     device = pick_device(config.device)
     PLACE.place = (worker, None)
+    # A fit's task starts reading its first batches before it builds the model and joins.
+    pipe = _reading_ahead(config, worker, epoch, world, device) if last is not None else None
     try:
         flat = FlatModel(config.model(), device)
     except BaseException:
         PLACE.place = None
+        if pipe is not None:
+            pipe.close()
         raise
     handle = open_handle(holder, config.timeout)  # one actor, or a list of shards
     try:
@@ -129,11 +134,31 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
             if last is None:
                 return _train(replica, epoch, world, started, kept.fit_key(holder))
             kept.take(kept.fit_key(holder), -1, -1)  # closes what other fits left
+            replica.pipe, pipe = pipe, None
             return _train_fit(replica, last, started)
     finally:
+        if pipe is not None:  # failed before the fit took it
+            pipe.close()
         PLACE.place = None
         taken_warnings(stop=True)
         handle.close()
+
+
+def _reading_ahead(config: WorkerConfig, worker: int, epoch: int, world: int,
+                   device: torch.device) -> Pipeline | None:
+    """The worker's pipeline, already reading the first batches of ``epoch`` (see
+    :meth:`Pipeline.start`) while the task builds its model and joins the holder: the
+    first epoch's first batch was the one a fit's workers waited for (~10-20 ms). Its
+    epoch, rank or cut may still turn out others (a resumed fit, an elastic one, a
+    balanced cut): the head start is then dropped. None where work is claimed."""
+    if config.assignment == "dynamic":
+        return None
+    pipe = Pipeline(config.data, config.batch_size, rank=min(worker, world - 1),
+                    world_size=world, device=device, client=get_client(),
+                    **config.pipeline_options)
+    pipe.set_epoch(epoch)
+    pipe.start()
+    return pipe
 
 
 def _train(replica: Replica, epoch: int, world: int, started: float, fit: Hashable
@@ -161,6 +186,8 @@ def _train_fit(replica: Replica, last: int, started: float) -> dict[str, Any]:
     info: dict[str, Any] | None = _join(replica, None, None)
     assert info is not None  # (typed for the epochs after, whose answer may not be in yet)
     if info.get("surplus"):
+        if replica.pipe is not None:
+            replica.pipe.close()
         return {"worker": replica.worker, "surplus": True}
     epoch, world = int(info["epoch"]), int(info["world"])
     asked: Future | None = None
