@@ -113,12 +113,12 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
     pipe = _reading_ahead(config, worker, epoch, world, device) if last is not None else None
     try:
         flat = FlatModel(config.model(), device)
+        handle = open_handle(holder, config.timeout)  # one actor, or a list of shards
     except BaseException:
         PLACE.place = None
         if pipe is not None:
             pipe.close()
         raise
-    handle = open_handle(holder, config.timeout)  # one actor, or a list of shards
     try:
         dask_worker = get_worker()
         address = dask_worker.address
