@@ -102,6 +102,13 @@ def computes_ahead(replica: Replica) -> bool:
             and strategy is not None and strategy.streams)
 
 
+def worker_pipeline(config: WorkerConfig, rank: int, world: int,
+                    device: torch.device) -> Pipeline:
+    """The pipeline of rank ``rank`` of ``world`` over the fit's data, on this worker."""
+    return Pipeline(config.data, config.batch_size, rank=rank, world_size=world,
+                    device=device, client=get_client(), **config.pipeline_options)
+
+
 def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world: int,
                 started: float, following: bool, asked: Future | None = None
                 ) -> dict[str, Any] | None:
@@ -148,9 +155,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
         pipe.close()
         pipe = None
     if pipe is None:
-        pipe = replica.pipe = Pipeline(
-            config.data, config.batch_size, rank=rank, world_size=world, device=device,
-            client=get_client(), **config.pipeline_options)
+        pipe = replica.pipe = worker_pipeline(config, rank, world, device)
     pipe.prefetch_next_epoch = following and not claimed
     pipe.set_epoch(epoch)
     if not claimed:

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from distributed import get_client, get_worker, secede
+from distributed import get_worker, secede
 
 from dasktrain._malloc import tune_allocator
 from dasktrain.pipeline import Pipeline
@@ -39,6 +39,7 @@ from dasktrain.trainer.worker.epoch import (
     step_for,
     train_epoch,
     trainer_place,
+    worker_pipeline,
 )
 from dasktrain.trainer.worker.notices import (
     capture_warnings,
@@ -153,9 +154,7 @@ def _reading_ahead(config: WorkerConfig, worker: int, epoch: int, world: int,
     balanced cut): the head start is then dropped. None where work is claimed."""
     if config.assignment == "dynamic":
         return None
-    pipe = Pipeline(config.data, config.batch_size, rank=min(worker, world - 1),
-                    world_size=world, device=device, client=get_client(),
-                    **config.pipeline_options)
+    pipe = worker_pipeline(config, min(worker, world - 1), world, device)
     pipe.set_epoch(epoch)
     pipe.start()
     return pipe
