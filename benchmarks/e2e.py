@@ -39,6 +39,13 @@ after their first epoch are evaluated on the same 4,096 rows, to show that the t
 the same thing (the losses differ a little: the two draw their batches in different
 orders).
 
+A second table gives each side's use of the processors over its steady epochs (from
+``/proc/stat``, so every process of the machine counts, the idle rest of the benchmark
+included): the share of the processors' time that was busy, and the busy processor time per
+sample trained. Where both sides are busy alike and spend the same time per sample, the
+processors, not the exchange's waits, set the pace; what one side could still gain is its
+idle share.
+
 Run: ``.venv/bin/python benchmarks/e2e.py`` (``--hidden 512 1024 --epochs 3 --repeats 3
 --hosts one two``; ``--quick``: the small model, 20,000 rows, 2 epochs, once).
 ``--link-rate 3gbit`` limits the link between the two hosts (tc's token bucket, each way),
@@ -102,6 +109,42 @@ Rates = list[float]
 State = dict[str, torch.Tensor]
 
 
+# -- the processors' time ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Processors:
+    """How a side used the machine's processors over its steady epochs (every process on
+    the machine counts: both hosts share one kernel)."""
+
+    busy: float  # the share of all processors' time that was busy
+    per_sample: float  # busy processor-seconds per sample trained
+
+
+def processors_now() -> tuple[float, float] | None:
+    """Seconds all processors have been busy, and seconds of processor time in all, since
+    the machine started (``/proc/stat``); None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is within user's)
+    total = sum(fields[:8])
+    idle = fields[3] + fields[4]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / tick, total / tick
+
+
+def processor_use(start: tuple[float, float] | None, end: tuple[float, float] | None,
+                  samples: int) -> Processors | None:
+    """The processors' use between two :func:`processors_now` marks, over ``samples``."""
+    if start is None or end is None or end[1] <= start[1] or samples <= 0:
+        return None
+    busy = end[0] - start[0]
+    return Processors(busy / (end[1] - start[1]), busy / samples)
+
+
 def mlp(width: int) -> torch.nn.Module:
     """32 -> width -> width -> width -> 1, the same initial weights at every call."""
     torch.manual_seed(0)
@@ -127,15 +170,17 @@ def _steady(rates: list[float]) -> float:
 
 # -- dasktrain ---------------------------------------------------------------------------
 def dasktrain_run(client: Client, data: dt.Dataset | str, width: int, epochs: int,
-                  **options: Any) -> tuple[Rates, dict[str, Any], State]:
-    """Fit ``epochs`` epochs in ``sync`` mode: samples/s per epoch, the last epoch's record
-    and the parameters after the first epoch."""
+                  **options: Any) -> tuple[Rates, dict[str, Any], State, Processors | None]:
+    """Fit ``epochs`` epochs in ``sync`` mode: samples/s per epoch, the last epoch's record,
+    the parameters after the first epoch and the processors' use after it."""
     after_first: dict[str, torch.Tensor] = {}
+    marks: list[tuple[float, float] | None] = []
 
     class KeepFirst(dt.Callback):
         steers = False  # it only looks: the next epoch does not wait for it
 
         def on_epoch_end(self, trainer: dt.Trainer, record: dict[str, Any]) -> None:
+            marks.append(processors_now())
             if record["epoch"] == 0:
                 after_first.update({k: v.detach().clone()
                                     for k, v in trainer.model.state_dict().items()})
@@ -144,11 +189,14 @@ def dasktrain_run(client: Client, data: dt.Dataset | str, width: int, epochs: in
                          dt.optim.sgd(LR), mode="sync", workers=WORKERS, batch_size=BATCH,
                          progress=False, **options)
     history = trainer.fit(data, epochs=epochs, client=client, callbacks=[KeepFirst()])
-    return [e["samples_per_s"] for e in history.epochs], history.epochs[-1], after_first
+    use = processor_use(marks[0], marks[-1], sum(e["samples"] for e in history.epochs[1:]))
+    return ([e["samples_per_s"] for e in history.epochs], history.epochs[-1], after_first,
+            use)
 
 
 def _dasktrain_on_hosts(address: str, path: str, width: int, epochs: int,
-                        options: dict[str, Any]) -> tuple[Rates, dict[str, Any], State]:
+                        options: dict[str, Any]
+                        ) -> tuple[Rates, dict[str, Any], State, Processors | None]:
     """:func:`dasktrain_run` on the cluster across hosts, run by the driver on its first
     host (the cluster's addresses are there)."""
     client = connect(address, WORKERS, timeout=120)
@@ -164,9 +212,9 @@ _KEPT: list[Any] = []
 
 
 def _ddp_train(rank: int, init_method: str, path: str, width: int, epochs: int
-               ) -> tuple[Rates, dict[str, np.ndarray] | None]:
+               ) -> tuple[Rates, dict[str, np.ndarray] | None, Processors | None]:
     """One DDP rank's run: samples/s per epoch and (rank 0) the parameters after the first
-    epoch."""
+    epoch and the processors' use after it."""
     torch.set_num_threads(1)
     torch_dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                   world_size=WORKERS,
@@ -176,7 +224,7 @@ def _ddp_train(rank: int, init_method: str, path: str, width: int, epochs: int
     model = DistributedDataParallel(mlp(width))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     order = torch.Generator().manual_seed(0)  # the same permutations on both ranks
-    rates, after_first = [], None
+    rates, after_first, marks = [], None, []
     for epoch in range(epochs):
         torch_dist.barrier()
         started = time.perf_counter()
@@ -194,26 +242,30 @@ def _ddp_train(rank: int, init_method: str, path: str, width: int, epochs: int
         wall = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         torch_dist.all_reduce(wall, op=torch_dist.ReduceOp.MAX)  # the slower rank's
         rates.append(rows / wall.item())
+        marks.append(processors_now())
         if epoch == 0 and rank == 0:
             # As numpy: a tensor would travel as shared memory this process frees at exit.
             after_first = {k: v.detach().numpy().copy()
                            for k, v in model.module.state_dict().items()}
     _KEPT.append(model)  # see _KEPT
-    return rates, after_first
+    use = processor_use(marks[0], marks[-1], rows * (epochs - 1)) if rank == 0 else None
+    return rates, after_first, use
 
 
 def _ddp_process(rank: int, port: int, path: str, width: int, epochs: int, out) -> None:
-    rates, after_first = _ddp_train(rank, f"tcp://127.0.0.1:{port}", path, width, epochs)
+    rates, after_first, use = _ddp_train(rank, f"tcp://127.0.0.1:{port}", path, width,
+                                         epochs)
     if rank == 0:
-        out.put((rates, after_first))
+        out.put((rates, after_first, use))
     out.close()
     out.join_thread()  # the result is in the pipe: now end, freeing nothing (see _KEPT)
     os._exit(0)
 
 
-def ddp_run(path: str, width: int, epochs: int) -> tuple[Rates, State]:
-    """Train with DDP over gloo in 2 spawned processes on 127.0.0.1: samples/s per epoch
-    and the parameters after the first epoch."""
+def ddp_run(path: str, width: int, epochs: int
+            ) -> tuple[Rates, State, Processors | None]:
+    """Train with DDP over gloo in 2 spawned processes on 127.0.0.1: samples/s per epoch,
+    the parameters after the first epoch and the processors' use after it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -225,7 +277,7 @@ def ddp_run(path: str, width: int, epochs: int) -> tuple[Rates, State]:
         for p in procs:
             p.start()
     try:
-        rates, after_first = out.get(timeout=RUN_TIMEOUT)
+        rates, after_first, use = out.get(timeout=RUN_TIMEOUT)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -233,7 +285,7 @@ def ddp_run(path: str, width: int, epochs: int) -> tuple[Rates, State]:
                 p.kill()
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"a DDP process failed: exit codes {[p.exitcode for p in procs]}")
-    return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}
+    return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}, use
 
 
 # -- across two hosts --------------------------------------------------------------------
@@ -269,11 +321,12 @@ class TwoHosts:
             raise
 
     def dasktrain(self, path: str, width: int, epochs: int, **options: Any
-                  ) -> tuple[Rates, dict[str, Any], State]:
+                  ) -> tuple[Rates, dict[str, Any], State, Processors | None]:
         return self.driver.call(_dasktrain_on_hosts, self.cluster.scheduler_address, path,
                                 width, epochs, options, timeout=RUN_TIMEOUT)
 
-    def ddp(self, path: str, width: int, epochs: int) -> tuple[Rates, State]:
+    def ddp(self, path: str, width: int, epochs: int
+            ) -> tuple[Rates, State, Processors | None]:
         """DDP with a rank on each host, in new processes (as on one host), which are
         killed once they answered (see _KEPT)."""
         # A port of its own per run: the last run's may still be closing.
@@ -286,11 +339,11 @@ class TwoHosts:
                     ranks.append(Remote(self.hosts, host, environment=_RANK_ENVIRONMENT))
             for rank, remote in enumerate(ranks):
                 remote.submit(_ddp_train, rank, init, path, width, epochs)
-            (rates, after_first), _ = (remote.result(RUN_TIMEOUT) for remote in ranks)
+            (rates, after_first, use), _ = (remote.result(RUN_TIMEOUT) for remote in ranks)
         finally:
             for remote in ranks:
                 remote.close(kill=True)
-        return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}
+        return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}, use
 
     def close(self) -> None:
         self._stack.close()
@@ -303,8 +356,9 @@ class Setting:
     key: str  # "one" or "two" (--hosts)
     name: str  # for the tables
     baseline: str  # what DDP's figure is
-    ours: Callable[..., tuple[Rates, dict[str, Any], State]]  # (width, **options)
-    theirs: Callable[[int], tuple[Rates, State]]  # (width)
+    # (width, **options)
+    ours: Callable[..., tuple[Rates, dict[str, Any], State, Processors | None]]
+    theirs: Callable[[int], tuple[Rates, State, Processors | None]]  # (width)
 
 
 def settings(args: argparse.Namespace, client: Client, data: dt.Dataset, path: str,
@@ -409,6 +463,21 @@ class Row:
     theirs: float
     last: dict[str, Any]  # dasktrain's last epoch of the last repeat
     one_piece: float | None  # with --whole-gradient
+    ours_use: Processors | None  # medians of the repeats
+    theirs_use: Processors | None
+
+
+def median_use(uses: list[Processors | None]) -> Processors | None:
+    """The median busy share and processor time per sample of ``uses`` (None if any is
+    unknown)."""
+    if not uses or any(u is None for u in uses):
+        return None
+    return Processors(statistics.median(u.busy for u in uses),
+                      statistics.median(u.per_sample for u in uses))
+
+
+def _use(use: Processors | None) -> tuple[str, str]:
+    return ("?", "?") if use is None else (f"{use.busy:.0%}", f"{use.per_sample * 1e6:,.0f}")
 
 
 def ratios(rows: list[Row]) -> list[Ratio]:
@@ -433,15 +502,17 @@ def measure(width: int, setting: Setting, args: argparse.Namespace, repeat: int,
     """One repeat of both sides in ``setting``: figures into ``results``; dasktrain's last
     epoch and both sides' parameters after the first epoch."""
     label, _ = _describe(width)
-    rates, last, ours_first = setting.ours(width)
+    rates, last, ours_first, ours_use = setting.ours(width)
     results["ours"].append(_steady(rates))
+    results["ours_use"].append(ours_use)
     if args.whole_gradient:
         whole_rates, *_ = setting.ours(width, bucket_bytes=WHOLE)
         results["whole"].append(_steady(whole_rates))
         print(f"{label}, {setting.name}, repeat {repeat + 1}: gradient and reply in one piece "
               f"{', '.join(f'{r:,.0f}' for r in whole_rates)}", flush=True)
-    ddp_rates, ddp_first = setting.theirs(width)
+    ddp_rates, ddp_first, ddp_use = setting.theirs(width)
     results["theirs"].append(_steady(ddp_rates))
+    results["theirs_use"].append(ddp_use)
     print(f"{label}, {setting.name}, repeat {repeat + 1}: dasktrain "
           f"{', '.join(f'{r:,.0f}' for r in rates)} samples/s by epoch; DDP "
           f"{', '.join(f'{r:,.0f}' for r in ddp_rates)}", flush=True)
@@ -469,7 +540,8 @@ def main() -> None:
             print(note, flush=True)
         for width in args.hidden:
             label, parameters = _describe(width)
-            results = {s.key: {"ours": [], "theirs": [], "whole": []} for s in found}
+            results = {s.key: {"ours": [], "theirs": [], "whole": [], "ours_use": [],
+                               "theirs_use": []} for s in found}
             last: dict[str, dict[str, Any]] = {}
             for repeat in range(args.repeats):
                 for setting in found:  # alternating, so that drift hits every setting
@@ -484,13 +556,21 @@ def main() -> None:
                 rows.append(Row(label, parameters, setting, statistics.median(figures["ours"]),
                                 statistics.median(figures["theirs"]), last[setting.key],
                                 statistics.median(figures["whole"]) if figures["whole"]
-                                else None))
+                                else None, median_use(figures["ours_use"]),
+                                median_use(figures["theirs_use"])))
     print("\n| model | hosts | dasktrain `sync` (samples/s) | DDP, gloo, data in memory "
           "(samples/s) | ratio | goal |")
     print("|---|---|---:|---:|---:|---|")
     for row in rows:
         print(f"| {row.label} | {row.setting.name} | {row.ours:,.0f} | {row.theirs:,.0f} | "
               f"{row.ours / row.theirs:.2f}x | {GOALS[row.setting.key]} |")
+    print("\n| model | hosts | processors busy: dasktrain / DDP | processor time per "
+          "sample (µs): dasktrain / DDP |")
+    print("|---|---|---:|---:|")
+    for row in rows:
+        (ours_busy, ours_time), (ddp_busy, ddp_time) = _use(row.ours_use), _use(row.theirs_use)
+        print(f"| {row.label} | {row.setting.name} | {ours_busy} / {ddp_busy} | {ours_time} / "
+              f"{ddp_time} |")
     if args.whole_gradient:
         print("\n| model | hosts | in buckets: gradient during backward, reply during "
               "forward (default) | each in one piece | buckets gain |")

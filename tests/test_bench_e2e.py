@@ -53,6 +53,14 @@ def test_e2e_quick_measures_both_sides_on_one_host_and_across_two_and_both_train
         assert model.startswith("32→512→512→512→1 (0.54 M parameters")
         assert int(ours.replace(",", "")) > 0 and int(ddp.replace(",", "")) > 0
         assert RATIO.fullmatch(ratio)
+    # Each side's use of the processors over its steady epochs, in both settings.
+    use = _table_rows(stdout, "| model | hosts | processors busy")
+    assert [r[1] for r in use] == ["one host", across]
+    for _, _, busy, per_sample in use:
+        for share in busy.split(" / "):
+            assert share.endswith("%") and 0 < int(share[:-1]) <= 100
+        for micros in per_sample.split(" / "):
+            assert int(micros.replace(",", "")) > 0
     # One epoch of each trains the model, and to about the same loss.
     losses = re.search(r"dasktrain (\d+\.\d+), DDP (\d+\.\d+) \(initial (\d+\.\d+)\)", stdout)
     assert losses, stdout
