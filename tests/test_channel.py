@@ -28,7 +28,7 @@ from dasktrain.trainer.exchange.reconnect import ChannelRefused
 from dasktrain.trainer.exchange.server import ChannelServer
 from dasktrain.trainer.flat import FlatLayout
 from dasktrain.trainer.holder.arithmetic import Lease
-from tests.common.channel import holder_actor, serve_channel
+from tests.common.channel import holder_actor, serve_channel, until_waiting_for
 from tests.common.training import zeros
 
 FEATURES = 1000
@@ -143,18 +143,11 @@ def test_a_reconnecting_worker_replaces_its_old_connection(client, holder):
         new.close()
 
 
-def _until_waiting_for(holder, workers: list[int]) -> None:
-    """Poll the holder until its pending update waits for exactly ``workers``."""
-    deadline = time.monotonic() + 30
-    while holder.progress().result(timeout=30)["waiting_for"] != workers:
-        assert time.monotonic() < deadline, "the holder never got the push"
-
-
 def test_a_worker_reconnecting_while_its_push_waits_on_the_barrier(client):
     with holder_actor(client, FEATURES, "sync") as holder:
         first = _connect(client, holder, worker=0)
         waiting = _push(first, 0, 2.0)
-        _until_waiting_for(holder, [1])
+        until_waiting_for(holder, [1])
         again = _connect(client, holder, worker=0)  # worker 0 restarted meanwhile
         other = _connect(client, holder, worker=1)
         # Worker 0's gradient stays in the round; worker 1's completes it, and the barrier

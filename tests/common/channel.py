@@ -69,6 +69,13 @@ def holder_actor(client: Any, features: int, mode: str = "async") -> Iterator[An
         future.release()
 
 
+def until_waiting_for(holder: Any, workers: list[int]) -> None:
+    """Poll the holder until its pending update waits for exactly ``workers``."""
+    deadline = time.monotonic() + 30
+    while holder.progress().result(timeout=30)["waiting_for"] != workers:
+        assert time.monotonic() < deadline, "the holder never got the push"
+
+
 def channel_addresses(dask_worker: Any) -> list[tuple[str, int]]:
     """Where the open channels of the holders on ``dask_worker`` listen (for ``client.run``:
     how a test learns the channel of a holder that a fit made)."""

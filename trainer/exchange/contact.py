@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dasktrain.trainer.exchange.buckets import bucket_order
+from dasktrain.trainer.exchange.landing import Arriving
 from dasktrain.trainer.exchange.server import ChannelServer, SharedReply, channel_host
 from dasktrain.trainer.flat import FlatLayout
 
@@ -40,13 +41,15 @@ class HolderChannel:
     enabled, shared_memory, bucket_bytes
         :class:`~dasktrain.trainer.holder.config.HolderConfig`'s ``direct_channel``,
         ``shared_memory`` and ``bucket_bytes``.
-    shared_reply
-        Told of each worker's reply region in shared memory (see :class:`ChannelServer`).
+    shared_reply, arriving
+        Told of each worker's reply region in shared memory, and of each payload as it
+        begins to arrive on a socket (see :class:`ChannelServer`).
     """
 
     def __init__(self, exchange: Exchange, layout: FlatLayout, payload_size: int, *,
                  worker_address: str | None, enabled: bool = True, shared_memory: bool = True,
-                 bucket_bytes: int, shared_reply: SharedReply | None = None) -> None:
+                 bucket_bytes: int, shared_reply: SharedReply | None = None,
+                 arriving: Arriving | None = None) -> None:
         self._exchange = exchange
         self._layout = layout
         self._payload_size = payload_size
@@ -55,6 +58,7 @@ class HolderChannel:
         self._shared_memory = shared_memory
         self._bucket_bytes = bucket_bytes
         self._shared_reply = shared_reply
+        self._arriving = arriving
         self.server: ChannelServer | None = None
         """The channel's server, once open."""
 
@@ -71,7 +75,8 @@ class HolderChannel:
                                    order=bucket_order(self._layout, self._payload_size,
                                                       self._bucket_bytes),
                                    shared_memory=self._shared_memory,
-                                   shared_reply=self._shared_reply)
+                                   shared_reply=self._shared_reply,
+                                   arriving=self._arriving)
             try:
                 await server.start(host)
             except OSError as exc:

@@ -34,6 +34,7 @@ import numpy as np
 from dasktrain.trainer.exchange import shared
 from dasktrain.trainer.exchange.admission import Refusals, WaitingRoom, local_listener
 from dasktrain.trainer.exchange.buckets import reply_order
+from dasktrain.trainer.exchange.landing import Arriving, Landing
 from dasktrain.trainer.exchange.protocol import (
     ACCEPTED,
     CONNECT_TIMEOUT,
@@ -103,15 +104,21 @@ class ChannelServer:
         ends. A reply whose lease is that region itself (the holder keeps its parameters
         there) is sent as its header alone, and the lease is kept until the worker's next
         push or the connection's end: the worker reads its model meanwhile.
+    arriving
+        Told as a payload's bytes begin to arrive on the socket (not in shared memory,
+        where a payload is whole when its header comes), with a
+        :class:`~.landing.Landing` of its slices; ``push`` follows once it is all in.
     """
 
     def __init__(self, push: PushFunction, size: int,
                  idle_timeout: float = _IDLE_TIMEOUT, order: Order | None = None,
-                 shared_memory: bool = True, shared_reply: SharedReply | None = None) -> None:
+                 shared_memory: bool = True, shared_reply: SharedReply | None = None,
+                 arriving: Arriving | None = None) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle_timeout must be positive, got {idle_timeout!r}")
         self._push = push
         self._shared_reply = shared_reply
+        self._arriving = arriving
         self._size = size
         self.order: Order = ((0, size),) if order is None else tuple(order)
         check_order(self.order, size)
@@ -292,14 +299,26 @@ class ChannelServer:
         grads = None
         if nbytes >= 0:
             if regions is None:  # else it lies in the shared payload region already
-                await self._movers.bulk(sock, [view[a * 4:b * 4] for a, b in self.order],
-                                        idle, receive=True)
+                await self._receive(sock, view, (worker, version, count, loss, payload))
             grads = payload
         lease = await self._apply(sock, worker, version, grads, count, loss,
                                   (epoch, batches))
         if lease is None:
             return None
         return await self._reply(sock, lease, regions)
+
+    async def _receive(self, sock: socket.socket, view: memoryview, push: tuple) -> None:
+        """Receive a push's payload (into ``view``), telling ``arriving`` of its slices."""
+        landing = None if self._arriving is None else Landing(self.order)
+        if landing is not None:
+            self._arriving(*push, landing)
+        try:
+            await self._movers.bulk(sock, [view[a * 4:b * 4] for a, b in self.order],
+                                    self.idle_timeout, receive=True,
+                                    landed=None if landing is None else landing.landed)
+        finally:
+            if landing is not None:
+                landing.fail()  # a no-op once every slice is in
 
     async def _apply(self, sock: socket.socket, worker: int, version: int,
                      grads: np.ndarray | None, count: int, loss: float,

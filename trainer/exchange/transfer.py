@@ -55,20 +55,25 @@ class Movers:
                 sock.setblocking(False)
 
     async def bulk(self, sock: socket.socket, views: list[memoryview], idle: float, *,
-                   receive: bool) -> None:
+                   receive: bool, landed: Callable[[int], None] | None = None) -> None:
         """Move a payload's bytes. Large ones go on a thread, with the socket blocking: a
         tight loop of system calls moves them at the speed of the transport, where each
         step through the event loop would cost a wake-up per socket-buffer's worth
-        (hundreds per payload). A transfer is ended by shutting its socket (:func:`shut`)."""
+        (hundreds per payload). A transfer is ended by shutting its socket (:func:`shut`).
+        ``landed(i)``: told as each view received is whole."""
         if sum(v.nbytes for v in views) < _BULK_BYTES:
-            for view in views:
+            for index, view in enumerate(views):
                 if receive:
                     await recv_into(sock, view, idle)
+                    if landed is not None:
+                        landed(index)
                 else:
                     await send(sock, idle, view)
             return
-        await self._on_thread(sock, _recv_slices if receive else _send_slices, sock, views,
-                              idle)
+        if receive:
+            await self._on_thread(sock, _recv_slices, sock, views, idle, landed)
+        else:
+            await self._on_thread(sock, _send_slices, sock, views, idle)
 
     async def copy(self, into: np.ndarray, values: np.ndarray) -> None:
         """Copy a reply into shared memory; a large one on a thread,
@@ -140,17 +145,20 @@ async def send_error(sock: socket.socket, seconds: float, status: int, message: 
     await send(sock, seconds, REPLY.pack(status, -1, len(data)) + data)
 
 
-def _recv_slices(sock: socket.socket, views: list[memoryview], idle: float) -> None:
-    """Fill each of ``views`` in turn from a socket made blocking for it; TimeoutError after
-    ``idle`` seconds without a byte."""
+def _recv_slices(sock: socket.socket, views: list[memoryview], idle: float,
+                 landed: Callable[[int], None] | None) -> None:
+    """Fill each of ``views`` in turn from a socket made blocking for it, telling
+    ``landed`` of each; TimeoutError after ``idle`` seconds without a byte."""
     sock.settimeout(idle)
-    for view in views:
+    for index, view in enumerate(views):
         got = 0
         while got < view.nbytes:
             n = sock.recv_into(view[got:])
             if n == 0:
                 raise ConnectionError("connection closed")
             got += n
+        if landed is not None:
+            landed(index)
 
 
 def _send_slices(sock: socket.socket, views: list[memoryview], idle: float) -> None:

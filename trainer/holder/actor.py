@@ -32,11 +32,13 @@ from distributed import get_worker
 from dasktrain._malloc import tune_allocator
 from dasktrain.trainer.errors import TrainerError, TrainingDiverged
 from dasktrain.trainer.exchange.contact import HolderChannel
+from dasktrain.trainer.exchange.landing import Landing
 from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.holder.arithmetic import Arithmetic, Lease
 from dasktrain.trainer.holder.balance import Balance
 from dasktrain.trainer.holder.config import HolderConfig
 from dasktrain.trainer.holder.divergence import NonFiniteGuard, all_finite, finite_mean
+from dasktrain.trainer.holder.early import Arrival, early_round
 from dasktrain.trainer.holder.ledger import WorkLedger
 from dasktrain.trainer.holder.membership import Membership, Watchdog
 from dasktrain.trainer.holder.records import Records
@@ -123,7 +125,10 @@ class ParameterHolder:
             self.exchange, self.layout, self._payload_size,
             worker_address=None if self._worker is None else self._worker.address,
             enabled=config.direct_channel, shared_memory=config.shared_memory,
-            bucket_bytes=config.bucket_bytes, shared_reply=self._arith.region_shared)
+            bucket_bytes=config.bucket_bytes, shared_reply=self._arith.region_shared,
+            arriving=self._arriving_payload)
+        # Payloads on their way over the channel, by worker (see .early).
+        self._arriving: dict[int, Arrival] = {}
         self._closed = False
 
     # -- the host interface (see dasktrain.trainer.modes.base) --------------------------
@@ -572,6 +577,7 @@ class ParameterHolder:
         modes. ``count`` is the batch size, the weight in an average.
         """
         self._check_usable()
+        self._arriving.pop(worker, None)  # in, if it came over the channel
         self._members.check(worker)
         if grads is not None and (grads.dtype != np.float32
                                   or grads.shape != (self._payload_size,)):
@@ -597,6 +603,10 @@ class ParameterHolder:
         self._balance.pushed(worker, count if grads is not None else 0, loop.time())
         refusal = self._admit(contribution)
         if refusal is None:
+            if self._arriving and self._mode.early_mean:
+                # Once this push is in the round, which may then wait only for payloads
+                # still arriving.
+                loop.call_soon(self._begin_mean)
             await self._mode.push(contribution)
         else:
             # An event, not a dropped gradient: its batch counts once, by its first one.
@@ -604,6 +614,24 @@ class ParameterHolder:
         lease = await self._arith.promptly(self._reply, worker, True)
         self._balance.replied(worker, loop.time())
         return lease
+
+    def _arriving_payload(self, worker: int, version: int, count: int, loss: float,
+                          payload: np.ndarray, landing: Landing) -> None:
+        """The channel's news that ``worker``'s push for ``version`` is arriving into
+        ``payload`` (its push follows once it is in)."""
+        self._arriving[worker] = Arrival(version, count, loss, payload, landing)
+        if self._mode.early_mean:
+            self._begin_mean()
+
+    def _begin_mean(self) -> None:
+        """Begin the round's mean while its last payloads arrive, if it waits for nothing
+        else (see :mod:`.early`)."""
+        if self._closed or self._error is not None:
+            return
+        found = early_round(self._mode.round, self._mode.waiting_for(), self._arriving,
+                            self._version)
+        if found is not None:
+            self._arith.begin_mean(*found)
 
     def _admit(self, contribution: Contribution) -> str | None:
         """Why a gradient of work claimed on demand is not taken (its batch was applied
@@ -737,6 +765,7 @@ class ParameterHolder:
         events, self._events = self._events, []
         notices, self._notices = self._notices, []
         return {"version": self._version, "updates": self._arith.updates,
+                "early_means": self._arith.early_means,
                 "epoch": self._epoch, "refused": self.refused,
                 "clocks": list(self._members.clocks), "diverged": self._diverged,
                 "members": self._members.states(),

@@ -15,7 +15,9 @@ takes less than the hand-off to a thread would add.
 The average of large payloads, its finiteness check and a plain SGD step are computed in
 two halves at once, the second on a helper thread: in lock-step modes every worker waits for
 the update, so a core that would idle takes half of those passes over memory. The check is
-made on each half of the average as it is written, while it is still in cache.
+made on each half of the average as it is written, while it is still in cache. A round's
+average may also be begun while its last payloads arrive (:meth:`Arithmetic.begin_mean`,
+see :mod:`.early`); the update then finds it written.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dasktrain.trainer.exchange.landing import Landing
 from dasktrain.trainer.flat import FlatLayout
+from dasktrain.trainer.holder.early import EarlyMean
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.worker.compute import clip_gradient
@@ -115,6 +119,10 @@ class Arithmetic:
         self._helper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dasktrain-holder-half") if layout.size >= SPLIT_SIZE \
             else None
+        # A round's mean begun before the round closed (see .early), and its thread.
+        self._early: EarlyMean | None = None
+        self._early_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.early_means = 0  # averages found written by a mean begun early
 
     # -- the serial section ------------------------------------------------------------
     async def serially(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -137,19 +145,21 @@ class Arithmetic:
         return await self.serially(fn, *args)
 
     def close(self) -> None:
-        for pool in (self._executor, self._helper):
+        self._drop_early()
+        for pool in (self._executor, self._helper, self._early_thread):
             if pool is not None:
                 pool.shutdown(wait=False)
 
-    def _in_halves(self, size: int, fn: Callable[[slice], Any]) -> list[Any]:
-        """``fn`` of each part of ``[0, size)``: two halves at once where a helper thread
-        is kept, else the whole."""
-        if self._helper is None:
-            return [fn(slice(0, size))]
-        half = size // 2
+    def _in_halves(self, size: int, fn: Callable[[slice], Any], start: int = 0
+                   ) -> list[Any]:
+        """``fn`` of each part of ``[start, size)``: two halves at once where a helper
+        thread is kept and the range is large, else the whole."""
+        if self._helper is None or size - start < SPLIT_SIZE // 2:
+            return [fn(slice(start, size))]
+        half = (start + size) // 2
         later = self._helper.submit(fn, slice(half, size))
         try:
-            first = fn(slice(0, half))
+            first = fn(slice(start, half))
         finally:
             second = later.result()
         return [first, second]
@@ -264,11 +274,55 @@ class Arithmetic:
         payloads; the running mean takes differences, which overflow near the float32
         limit."""
         self._average_sums = None
+        with self._lock:
+            early, self._early = self._early, None
+        if early is not None:
+            sums = None if overflow_safe or len(payloads) < 2 else \
+                early.sums_for(payloads, weights)
+            if sums is not None:
+                self.early_means += 1
+                self._average_sums = (self._average_buffer, sums)
+                return self._average_buffer
+            early.stop()
         if not payloads:
             return None
-        total = float(sum(weights))
         if len(payloads) == 1:
             return as_tensor(payloads[0])
+        weighted_sum = self._mean_part(payloads, weights, overflow_safe)
+        self._average_sums = (self._average_buffer,
+                              self._in_halves(len(self._average_buffer), weighted_sum))
+        return self._average_buffer
+
+    def begin_mean(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
+                   landings: Sequence[Landing | None]) -> None:
+        """Begin :meth:`average` of ``payloads`` with ``weights`` on a thread of its own,
+        slice by slice as each is in every payload still arriving (``landings``: one per
+        payload, None for one already whole); the next :meth:`average` of the same
+        payloads and weights takes it (see :mod:`.early`). Call from the event loop, while
+        nothing else averages."""
+        self._drop_early()
+        weighted_sum = self._mean_part(payloads, weights, overflow_safe=False)
+        early = EarlyMean(payloads, weights, landings,
+                          lambda part: self._in_halves(part.stop, weighted_sum, part.start))
+        if self._early_thread is None:
+            self._early_thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="dasktrain-holder-early")
+        with self._lock:
+            self._early = early
+        self._early_thread.submit(early.run)
+
+    def _drop_early(self) -> None:
+        """Stop a mean begun early that no update took."""
+        with self._lock:
+            early, self._early = self._early, None
+        if early is not None:
+            early.stop()
+
+    def _mean_part(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
+                   overflow_safe: bool) -> Callable[[slice], float]:
+        """What writes one part of the weighted mean of ``payloads`` into the average's
+        buffer and returns its sum (the same values whatever the parts)."""
+        total = float(sum(weights))
         out = self._average_buffer
         tensors = [as_tensor(p) for p in payloads]
         if overflow_safe or total <= 0:
@@ -291,8 +345,7 @@ class Arithmetic:
                     if weight:
                         out[part].lerp_(tensor[part], weight / seen)
                 return float(out[part].sum())
-        self._average_sums = (out, self._in_halves(len(out), weighted_sum))
-        return out
+        return weighted_sum
 
     def lr(self, scale: float = 1.0) -> float:
         """The learning rate of the next step, times ``scale``."""

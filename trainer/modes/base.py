@@ -156,6 +156,11 @@ class UpdateMode:
     """True when a push of claimed work covers a piece of the run its worker claimed
     (``average``: the local steps between two averages; see :meth:`claim_size`), not one
     batch."""
+    early_mean: ClassVar[bool] = False
+    """True when a round's update is the plain weighted mean of its gradients (no
+    ``adjust``), which the holder may begin while the round's last payloads still arrive
+    (see :mod:`dasktrain.trainer.holder.early`): a round mode's ``round`` and
+    ``waiting_for`` say what it is made of (``sync``)."""
     gradient_fields: ClassVar[dict[str, Any]] = {}
     """Extra per-gradient record fields and their defaults (see :mod:`..records`)."""
     worker_step: ClassVar[type[WorkerStep]] = GradientStep

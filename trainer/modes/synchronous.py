@@ -28,6 +28,7 @@ class SyncMode(RoundMode):
     lockstep = True
     may_claim_work = False
     balances = True
+    early_mean = True
 
     async def push(self, contribution: Contribution) -> None:
         await self.enter_if_current(contribution, "gradient")
