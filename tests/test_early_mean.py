@@ -24,7 +24,7 @@ from dasktrain.trainer.holder.early import EARLY_VALUES
 from tests.common.channel import until_waiting_for
 from tests.common.training import mlp
 
-MODEL = functools.partial(mlp, 1024, 256, 64)  # 278,848 parameters in 4 tensors
+MODEL = functools.partial(mlp, 1024, 1024, 64)  # 1,115,200 parameters in 4 tensors
 OPTIMIZER = dt.optim.sgd(0.1, momentum=0.9)
 BUCKET_BYTES = 1  # every tensor a bucket of its own: 4 slices
 

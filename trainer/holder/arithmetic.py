@@ -37,7 +37,7 @@ import torch
 
 from dasktrain.trainer.exchange.landing import Landing
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.holder.early import EarlyMean
+from dasktrain.trainer.holder.early import EarlyMean, lower_priority
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.worker.compute import clip_gradient
@@ -276,14 +276,20 @@ class Arithmetic:
         self._average_sums = None
         with self._lock:
             early, self._early = self._early, None
+        taken = None
         if early is not None:
-            sums = None if overflow_safe or len(payloads) < 2 else \
-                early.sums_for(payloads, weights)
-            if sums is not None:
-                self.early_means += 1
-                self._average_sums = (self._average_buffer, sums)
-                return self._average_buffer
+            taken = None if overflow_safe or len(payloads) < 2 else \
+                early.take(payloads, weights)
             early.stop()
+        if taken is not None:
+            # What the early mean did not write yet, at full speed (in halves).
+            sums, rest = taken
+            weighted_sum = self._mean_part(payloads, weights, overflow_safe=False)
+            for start, stop in rest:
+                sums += self._in_halves(stop, weighted_sum, start)
+            self.early_means += 1
+            self._average_sums = (self._average_buffer, sums)
+            return self._average_buffer
         if not payloads:
             return None
         if len(payloads) == 1:
@@ -295,18 +301,17 @@ class Arithmetic:
 
     def begin_mean(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
                    landings: Sequence[Landing | None]) -> None:
-        """Begin :meth:`average` of ``payloads`` with ``weights`` on a thread of its own,
-        slice by slice as each is in every payload still arriving (``landings``: one per
-        payload, None for one already whole); the next :meth:`average` of the same
-        payloads and weights takes it (see :mod:`.early`). Call from the event loop, while
-        nothing else averages."""
+        """Begin :meth:`average` of ``payloads`` with ``weights`` on a thread of its own
+        that runs only on idle processors, slice by slice as each is in every payload still
+        arriving (``landings``: one per payload, None for one already whole); the next
+        :meth:`average` of the same payloads and weights takes it over, writing what is
+        left (see :mod:`.early`). Call from the event loop, while nothing else averages."""
         self._drop_early()
-        weighted_sum = self._mean_part(payloads, weights, overflow_safe=False)
         early = EarlyMean(payloads, weights, landings,
-                          lambda part: self._in_halves(part.stop, weighted_sum, part.start))
+                          self._mean_part(payloads, weights, overflow_safe=False))
         if self._early_thread is None:
             self._early_thread = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="dasktrain-holder-early")
+                1, thread_name_prefix="dasktrain-holder-early", initializer=lower_priority)
         with self._lock:
             self._early = early
         self._early_thread.submit(early.run)

@@ -19,8 +19,10 @@ gradient refused) is dropped, and the update computes its own.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -33,11 +35,20 @@ from dasktrain.trainer.exchange.landing import Landing
 if TYPE_CHECKING:  # the modes import the holder's arithmetic, which imports this
     from dasktrain.trainer.modes.base import Contribution
 
-__all__ = ["EARLY_VALUES", "Arrival", "EarlyMean", "early_round"]
+__all__ = ["CHUNK", "EARLY_VALUES", "Arrival", "EarlyMean", "early_round", "lower_priority"]
 
 EARLY_VALUES = 1 << 18  # payloads (float32 values, 1 MiB) from which a mean is begun early
-_LOOK = 1.0  # seconds between looks at a cancelled mean while a slice is awaited
-_WAIT = 60.0  # seconds to wait for an early mean to finish or stop (it only computes)
+CHUNK = 1 << 16  # values averaged at a time early: between chunks, the update may take over
+_LOOK = 1.0  # seconds between looks at a stopped mean while a slice is awaited
+_WAIT = 60.0  # seconds to wait for an early mean to stop (it stops after a chunk)
+
+
+def lower_priority() -> None:
+    """Make the calling thread run only on processors nothing else wants (nice 19, on
+    Linux): the mean is begun early to use a processor that would idle while the round
+    waits, not to take one from a worker's forward and backward on the same host."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,58 +89,62 @@ def early_round(contributions: Iterable[Contribution], waiting_for: set[int],
 
 
 class EarlyMean:
-    """The mean of ``payloads``, written slice by slice of their order (:meth:`run`, on a
-    thread) as each is in every payload: ``part(slice)`` writes one slice of the mean and
-    returns the sums of what it wrote (for the finiteness check)."""
+    """The mean of ``payloads``, written by :meth:`run` (on a thread of low priority, see
+    :func:`lower_priority`) slice by slice of their order as each is in every payload, a
+    chunk at a time: ``part(slice)`` writes one part of the mean and returns its sum (for
+    the finiteness check). The update takes over with :meth:`take`."""
 
     def __init__(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
-                 landings: Sequence[Landing | None],
-                 part: Callable[[slice], list[float]]) -> None:
+                 landings: Sequence[Landing | None], part: Callable[[slice], float]) -> None:
         self._payloads = list(payloads)  # kept: compared by identity
         self._weights = [float(w) for w in weights]
         self._landings = [landing for landing in landings if landing is not None]
+        self._order = self._landings[0].order
         self._part = part
-        self._cancelled = threading.Event()
-        self.future: concurrent.futures.Future[list[float] | None] = \
-            concurrent.futures.Future()
+        self._stopped = threading.Event()
+        self._done = 0  # slices of the order written whole
+        self._sums: list[float] = []  # the sums of those slices' chunks
+        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def run(self) -> None:
-        """Write the mean, slice by slice as they land; its sums, or None if it stopped."""
-        sums: list[float] = []
+        """Write the mean, slice by slice as they land, until done or stopped."""
         try:
-            for index, (start, stop) in enumerate(self._landings[0].order):
+            for index, (start, stop) in enumerate(self._order):
                 for landing in self._landings:
                     while not landing.wait(index, _LOOK):
-                        if self._cancelled.is_set() or landing.failed:
-                            self.future.set_result(None)
+                        if self._stopped.is_set() or landing.failed:
                             return
-                if self._cancelled.is_set():
-                    self.future.set_result(None)
-                    return
-                sums += self._part(slice(start, stop))
+                sums = []
+                for chunk in range(start, stop, CHUNK):
+                    if self._stopped.is_set():
+                        return
+                    sums.append(self._part(slice(chunk, min(chunk + CHUNK, stop))))
+                self._sums += sums
+                self._done = index + 1
         except BaseException as exc:  # handed to the update, which computes its own
             self.future.set_exception(exc)
-            return
-        self.future.set_result(sums)
+        finally:
+            if not self.future.done():
+                self.future.set_result(None)
 
-    def sums_for(self, payloads: Sequence[np.ndarray], weights: Sequence[float]
-                 ) -> list[float] | None:
-        """The sums of the mean's slices once it is written, if it is the mean of these
-        ``payloads`` with these ``weights``; else None (and it is stopped)."""
+    def take(self, payloads: Sequence[np.ndarray], weights: Sequence[float]
+             ) -> tuple[list[float], list[tuple[int, int]]] | None:
+        """Stop it and, if it is the mean of these ``payloads`` with these ``weights``, the
+        sums of the slices it wrote and the slices still to write; else None."""
+        self.stop()
         same = len(payloads) == len(self._payloads) and all(
             a is b for a, b in zip(payloads, self._payloads, strict=False)) \
             and [float(w) for w in weights] == self._weights
-        if same:
-            try:
-                return self.future.result(_WAIT)
-            except Exception:  # computed again by the update, which says what is wrong
-                return None
-        self.stop()
-        return None
+        # A transfer that failed ended its connection: its payload is received again, whole.
+        if not same or self.future.exception() is not None \
+                or any(landing.failed for landing in self._landings):
+            return None
+        return list(self._sums), list(self._order[self._done:])
 
     def stop(self) -> None:
-        """Stop it, and wait until it no longer writes the mean's buffer."""
-        self._cancelled.set()
+        """Stop it, and wait until it no longer writes the mean's buffer (after the chunk
+        it is writing)."""
+        self._stopped.set()
         for landing in self._landings:
             landing.wake()
         try:
