@@ -5,6 +5,7 @@ read only once they are in, and a mean begun for another round never taken."""
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import numpy as np
@@ -20,7 +21,7 @@ from dasktrain.trainer.flat import FlatLayout, FlatModel
 from dasktrain.trainer.holder.actor import ParameterHolder
 from dasktrain.trainer.holder.arithmetic import Arithmetic
 from dasktrain.trainer.holder.config import HolderConfig
-from dasktrain.trainer.holder.early import EARLY_VALUES
+from dasktrain.trainer.holder.early import EARLY_VALUES, lower_priority
 from tests.common.channel import until_waiting_for
 from tests.common.training import mlp
 
@@ -70,10 +71,14 @@ def test_a_model_of_this_test_is_large_enough_to_be_averaged_early():
     assert len(bucket_order(layout, layout.size, BUCKET_BYTES)) == 4
 
 
-def test_a_mean_begun_as_slices_land_is_the_update_s_mean_bit_for_bit():
+@pytest.mark.parametrize("landed", ["while it runs", "before it begins"])
+def test_a_mean_begun_as_slices_land_is_the_update_s_mean_bit_for_bit(landed):
     landing, whole, late, arriving = _round(0)
     early, plain = _arithmetic(), _arithmetic()
     try:
+        if landed == "before it begins":
+            # Averaged at once: the update mostly takes over from a mean still running.
+            _feed(landing, arriving, late).join()
         early.begin_mean([whole, arriving], [3.0, 5.0], [None, landing])
         _feed(landing, arriving, late).join()
         mean = early.average([whole, arriving], [3.0, 5.0])
@@ -143,6 +148,20 @@ def test_a_transfer_that_fails_stops_the_mean_and_the_update_computes_its_own():
     finally:
         arithmetic.close()
         plain.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no thread priorities here")
+def test_the_early_mean_s_thread_runs_at_the_lowest_priority():
+    niceness = []
+
+    def run() -> None:
+        lower_priority()
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert niceness == [19]
 
 
 def test_closing_stops_a_mean_still_waiting_for_its_slices():

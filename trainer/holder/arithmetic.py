@@ -276,20 +276,17 @@ class Arithmetic:
         self._average_sums = None
         with self._lock:
             early, self._early = self._early, None
-        taken = None
+        if early is not None and not overflow_safe and len(payloads) > 1:
+            part = self._mean_part(payloads, weights, overflow_safe=False)
+            # What the early mean left is written at full speed (in halves).
+            sums = early.finish(payloads, weights,
+                                lambda start, stop: self._in_halves(stop, part, start))
+            if sums is not None:
+                self.early_means += 1
+                self._average_sums = (self._average_buffer, sums)
+                return self._average_buffer
         if early is not None:
-            taken = None if overflow_safe or len(payloads) < 2 else \
-                early.take(payloads, weights)
             early.stop()
-        if taken is not None:
-            # What the early mean did not write yet, at full speed (in halves).
-            sums, rest = taken
-            weighted_sum = self._mean_part(payloads, weights, overflow_safe=False)
-            for start, stop in rest:
-                sums += self._in_halves(stop, weighted_sum, start)
-            self.early_means += 1
-            self._average_sums = (self._average_buffer, sums)
-            return self._average_buffer
         if not payloads:
             return None
         if len(payloads) == 1:
@@ -301,11 +298,10 @@ class Arithmetic:
 
     def begin_mean(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
                    landings: Sequence[Landing | None]) -> None:
-        """Begin :meth:`average` of ``payloads`` with ``weights`` on a thread of its own
-        that runs only on idle processors, slice by slice as each is in every payload still
-        arriving (``landings``: one per payload, None for one already whole); the next
-        :meth:`average` of the same payloads and weights takes it over, writing what is
-        left (see :mod:`.early`). Call from the event loop, while nothing else averages."""
+        """Begin :meth:`average` of ``payloads`` with ``weights`` on a low-priority thread,
+        slice by slice as each is in every payload still arriving (``landings``: None for
+        one already whole); the next :meth:`average` of them takes it over (see
+        :mod:`.early`). Call from the event loop, while nothing else averages."""
         self._drop_early()
         early = EarlyMean(payloads, weights, landings,
                           self._mean_part(payloads, weights, overflow_safe=False))

@@ -92,7 +92,7 @@ class EarlyMean:
     """The mean of ``payloads``, written by :meth:`run` (on a thread of low priority, see
     :func:`lower_priority`) slice by slice of their order as each is in every payload, a
     chunk at a time: ``part(slice)`` writes one part of the mean and returns its sum (for
-    the finiteness check). The update takes over with :meth:`take`."""
+    the finiteness check). The update takes over with :meth:`finish`."""
 
     def __init__(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
                  landings: Sequence[Landing | None], part: Callable[[slice], float]) -> None:
@@ -127,10 +127,11 @@ class EarlyMean:
             if not self.future.done():
                 self.future.set_result(None)
 
-    def take(self, payloads: Sequence[np.ndarray], weights: Sequence[float]
-             ) -> tuple[list[float], list[tuple[int, int]]] | None:
-        """Stop it and, if it is the mean of these ``payloads`` with these ``weights``, the
-        sums of the slices it wrote and the slices still to write; else None."""
+    def finish(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
+               write: Callable[[int, int], list[float]]) -> list[float] | None:
+        """Stop it and, if it is the mean of these ``payloads`` with these ``weights``,
+        write the slices it left with ``write(start, stop)`` (which returns their parts'
+        sums): the sums of the whole mean; else None."""
         self.stop()
         same = len(payloads) == len(self._payloads) and all(
             a is b for a, b in zip(payloads, self._payloads, strict=False)) \
@@ -139,7 +140,10 @@ class EarlyMean:
         if not same or self.future.exception() is not None \
                 or any(landing.failed for landing in self._landings):
             return None
-        return list(self._sums), list(self._order[self._done:])
+        sums = list(self._sums)
+        for start, stop in self._order[self._done:]:
+            sums += write(start, stop)
+        return sums
 
     def stop(self) -> None:
         """Stop it, and wait until it no longer writes the mean's buffer (after the chunk
