@@ -24,7 +24,7 @@ from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.submit import Submitted, Submitter, forget_windows, release
 
-__all__ = ["HeadStart", "submit_ahead"]
+__all__ = ["HeadStart", "start_now", "submit_ahead"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,3 +94,19 @@ def submit_ahead(plan_for: Callable[[int], EpochPlan], epoch: int, submitter: Su
     except Exception:  # only a head start: the next epoch submits the rest itself
         logger.debug("submitting epoch %d ahead failed", epoch, exc_info=True)
     return head
+
+
+def start_now(plan_for: Callable[[int], EpochPlan], epoch: int, submitter: Submitter,
+              rows: int, stats: PipelineStats) -> HeadStart:
+    """A head start into ``epoch`` before anything iterates it (see
+    :meth:`~dasktrain.pipeline.loader.Pipeline.start`): its first units within ``rows`` of
+    prefetch, submitted now, and brought in by fetch threads of their own."""
+    finishing = threading.Event()
+    finishing.set()  # submit what the prefetch holds now, without waiting for more
+    fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
+    try:
+        return submit_ahead(
+            plan_for, epoch, submitter, PrefetchBudget(rows), threading.Event(), finishing,
+            stats, lambda future, plan, unit: submitter.fetched(future, plan, unit, fetcher))
+    finally:
+        fetcher.shutdown(wait=False)  # its threads finish the fetches first

@@ -27,7 +27,7 @@ from distributed import Client, get_client
 
 from dasktrain._cluster import embedded_client
 from dasktrain.datasets import Dataset, open_dataset
-from dasktrain.pipeline.ahead import HeadStart, submit_ahead
+from dasktrain.pipeline.ahead import HeadStart, start_now
 from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.feeder import Feeder
@@ -353,20 +353,9 @@ class Pipeline:
         finds them in hand. As the head start into a next epoch, it takes as much of the
         prefetch as an iteration would, and is dropped unused if the iteration is another
         (other shares, a resumed position, another rank or epoch)."""
-        if self._ahead is not None or self._position != 0:
-            return
-        submitter = self._submitter()
-        finishing = threading.Event()
-        finishing.set()  # submit what the prefetch holds now, without waiting for more
-        fetcher = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dasktrain-fetch")
-        try:
-            self._ahead = submit_ahead(
-                self.plan, self._epoch, submitter,
-                PrefetchBudget(self._prefetch_rows),
-                threading.Event(), finishing, self.stats,
-                lambda future, plan, unit: submitter.fetched(future, plan, unit, fetcher))
-        finally:
-            fetcher.shutdown(wait=False)  # its threads finish the fetches first
+        if self._ahead is None and self._position == 0:
+            self._ahead = start_now(self.plan, self._epoch, self._submitter(),
+                                    self._prefetch_rows, self.stats)
 
     def _drop_ahead(self) -> None:
         """Forget work submitted for an epoch that will not come next."""

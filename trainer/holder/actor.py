@@ -11,7 +11,7 @@ documented in :mod:`dasktrain.trainer.modes.base`. How it is built is
 Every public method is ``async`` and runs on the holder worker's event loop, so barriers are
 plain asyncio futures; the arithmetic runs in the serial section of :mod:`.arithmetic`.
 
-The actor stays one piece of some 850 lines because every method left reads or moves the
+The actor stays one piece of some 880 lines because every method left reads or moves the
 same version, epoch and membership state under that one serial section (the wire's calls, the
 modes' host interface, the checkpoint of that state, the epoch boundaries that the workers
 and membership decide): split further, the parts would share
@@ -38,7 +38,7 @@ from dasktrain.trainer.holder.arithmetic import Arithmetic, Lease
 from dasktrain.trainer.holder.balance import Balance
 from dasktrain.trainer.holder.config import HolderConfig
 from dasktrain.trainer.holder.divergence import NonFiniteGuard, all_finite, finite_mean
-from dasktrain.trainer.holder.early import Arrival, early_round
+from dasktrain.trainer.holder.early import EARLY_VALUES, Arrival, early_round
 from dasktrain.trainer.holder.ledger import WorkLedger
 from dasktrain.trainer.holder.membership import Membership, Watchdog
 from dasktrain.trainer.holder.records import Records
@@ -126,7 +126,9 @@ class ParameterHolder:
             worker_address=None if self._worker is None else self._worker.address,
             enabled=config.direct_channel, shared_memory=config.shared_memory,
             bucket_bytes=config.bucket_bytes, shared_reply=self._arith.region_shared,
-            arriving=self._arriving_payload)
+            # Told of payloads arriving only where a round's mean may be begun early.
+            arriving=self._arriving_payload if mode_type.early_mean
+            and self._payload_size >= EARLY_VALUES else None)
         # Payloads on their way over the channel, by worker (see .early).
         self._arriving: dict[int, Arrival] = {}
         self._closed = False
@@ -603,7 +605,7 @@ class ParameterHolder:
         self._balance.pushed(worker, count if grads is not None else 0, loop.time())
         refusal = self._admit(contribution)
         if refusal is None:
-            if self._arriving and self._mode.early_mean:
+            if self._arriving:
                 # Once this push is in the round, which may then wait only for payloads
                 # still arriving.
                 loop.call_soon(self._begin_mean)
@@ -620,8 +622,7 @@ class ParameterHolder:
         """The channel's news that ``worker``'s push for ``version`` is arriving into
         ``payload`` (its push follows once it is in)."""
         self._arriving[worker] = Arrival(version, count, loss, payload, landing)
-        if self._mode.early_mean:
-            self._begin_mean()
+        self._begin_mean()
 
     def _begin_mean(self) -> None:
         """Begin the round's mean while its last payloads arrive, if it waits for nothing

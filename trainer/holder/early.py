@@ -69,11 +69,11 @@ def early_round(contributions: Iterable[Contribution], waiting_for: set[int],
     """What a round's mean would be made of, if it can be begun now: the payloads in the
     update's order (by worker), their weights and, for those still arriving, their
     landings. None unless the round (``contributions``, gathered for ``version``) waits only
-    for workers whose large payloads for ``version`` are arriving, and at least two
-    payloads make the mean, one of them still arriving."""
+    for workers whose payloads for ``version`` are arriving, and at least two payloads make
+    the mean, one of them still arriving. (The holder is told of arriving payloads only
+    from :data:`EARLY_VALUES` values.)"""
     coming = {worker: a for worker, a in arriving.items()
-              if a.version == version and not a.landing.failed
-              and a.payload.size >= EARLY_VALUES}
+              if a.version == version and not a.landing.failed}
     if not coming or waiting_for != set(coming):
         return None
     items = [(c.worker, c.grads, c.count, c.loss, None) for c in contributions]
