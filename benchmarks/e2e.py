@@ -11,9 +11,10 @@ SGD lr 0.01, on ``regression`` data (100,000 x 32 float32, prepared once with
   batch_size=256)`` fitting the dataset for ``--epochs`` epochs on the LocalCluster
   ``fit()`` starts when given no client (2 single-threaded worker processes on 127.0.0.1,
   each in a session of its own; ``--cluster own``: a LocalCluster made here, its workers in
-  this process's session, as a script's own ``LocalCluster()``), the data read through the
-  pipeline, every setting at its default; samples/s of an epoch as its History records it
-  (``history.epochs[i]["samples_per_s"]``: the driver's wall time of the epoch);
+  this process's session, as a script's own ``LocalCluster()``), started for the run and
+  closed after it, the data read through the pipeline, every setting at its default;
+  samples/s of an epoch as its History records it (``history.epochs[i]["samples_per_s"]``:
+  the driver's wall time of the epoch);
 * baseline: ``DistributedDataParallel`` over gloo on 127.0.0.1, 2 spawned processes, the
   whole dataset already in memory as tensors (DDP's best case); every epoch a permutation
   of the rows, shared by both ranks, cut into global batches of 512, of which each rank
@@ -23,14 +24,21 @@ Across two hosts (``--hosts two``; by default both settings run, one after the o
 each repeat): the same two sides with the second process on another host. The hosts are two
 Linux network namespaces of this machine (``dasktrain/_hosts.py``), each with its own
 address from 192.0.2.0/24, hostname and loopback, joined by a bridge. dasktrain runs on a
-Dask cluster of one single-threaded worker process per host, the scheduler and the fit's
-driver on the first host: the trainer worker in the holder's process calls it in place, as
-on one host, and the other reaches it over TCP instead of memory shared with it. DDP runs
+Dask cluster of one single-threaded worker process per host (started for each run and
+closed after it), the scheduler and the fit's driver on the first host: the trainer worker
+in the holder's process calls it in place, as on one host, and the other reaches it over
+TCP instead of memory shared with it. DDP runs
 rank 0 on the first host and rank 1 on the second, gloo bound to each host's address
 (``GLOO_SOCKET_IFNAME``), in new processes each run as on one host. Where namespaces
 cannot be made (not Linux, not root), this setting is measured on one host with
 ``shared_memory=False`` (the worker's bytes then go over the channel's local socket)
 against DDP on one host, and the report says so.
+
+Each run has the machine to itself, as each side would for its user: no Dask cluster
+runs while DDP or the ceiling (below) runs, nor the other setting's while dasktrain does.
+Idle clusters are not free on 2 cores: with dasktrain's two clusters left running beside
+them (as this benchmark did before 2026-11-28), the ceiling ran 7-19 % slower and DDP up
+to 8 %.
 
 The first epoch of each side warms up (process start, imports, first connections) and is
 not counted: the figure of a repeat is the median samples/s of its later epochs, and the
@@ -45,6 +53,14 @@ included): the share of the processors' time that was busy, and the busy process
 sample trained. Where both sides are busy alike and spend the same time per sample, the
 processors, not the exchange's waits, set the pace; what one side could still gain is its
 idle share.
+
+A third table gives the ceiling: DDP's loop in 2 spawned processes without DDP, each
+training a replica of its own on its half of every global batch with nothing exchanged,
+each epoch begun together (a barrier) and timed to the slower process (the same epochs,
+once per repeat, before the two sides; the same figure for both settings, as moving no
+bytes does not depend on where the processes are). No exchange can be faster, so
+"no exchange / DDP" is the most any side could lead DDP by on this machine: where it is
+below a goal, the goal cannot be met there.
 
 Run: ``.venv/bin/python benchmarks/e2e.py`` (``--hidden 512 1024 --epochs 3 --repeats 3
 --hosts one two``; ``--quick``: the small model, 20,000 rows, 2 epochs, once).
@@ -85,7 +101,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD, start_local_cluster
-from dasktrain._host_cluster import HostCluster, connect
+from dasktrain._host_cluster import HostCluster
 from dasktrain._hosts import INTERFACE, Hosts, HostsUnavailable
 from dasktrain._remote import Remote
 from dasktrain.cli.bench import (
@@ -194,13 +210,29 @@ def dasktrain_run(client: Client, data: dt.Dataset | str, width: int, epochs: in
             use)
 
 
+def one_host_run(cluster: str, path: str, width: int, epochs: int, **options: Any
+                 ) -> tuple[Rates, dict[str, Any], State, Processors | None]:
+    """:func:`dasktrain_run` on one host, on a cluster started for this run and closed
+    after it (``cluster``: "default", the one ``fit()`` starts when given no client, or
+    "own", a script's own LocalCluster), so that none of it runs beside the other side."""
+    with contextlib.ExitStack() as stack:
+        local = stack.enter_context(
+            start_local_cluster(n_workers=WORKERS) if cluster == "default" else
+            LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
+                         host="127.0.0.1", **NO_DASHBOARD))
+        client = stack.enter_context(Client(local))
+        return dasktrain_run(client, path, width, epochs, **options)
+
+
 def _dasktrain_on_hosts(address: str, path: str, width: int, epochs: int,
                         options: dict[str, Any]
                         ) -> tuple[Rates, dict[str, Any], State, Processors | None]:
     """:func:`dasktrain_run` on the cluster across hosts, run by the driver on its first
-    host (the cluster's addresses are there)."""
-    client = connect(address, WORKERS, timeout=120)
-    return dasktrain_run(client, path, width, epochs, **options)
+    host (the cluster's addresses are there); its client is closed with the run, as the
+    cluster is."""
+    with Client(address, timeout=120) as client:
+        client.wait_for_workers(WORKERS, timeout=120)
+        return dasktrain_run(client, path, width, epochs, **options)
 
 
 # -- DDP ---------------------------------------------------------------------------------
@@ -209,6 +241,24 @@ def _dasktrain_on_hosts(address: str, path: str, width: int, epochs: int,
 # threads while holding the GIL, and a gloo thread still freeing the last collective's
 # tensors waits for the GIL (a deadlock, met once in a dozen runs on a busy machine).
 _KEPT: list[Any] = []
+
+
+def _epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+           y: torch.Tensor, rank: int, order: torch.Generator) -> None:
+    """One epoch of one rank: a permutation of the rows, shared by both ranks (the same
+    ``order``), cut into global batches, of which this rank trains on its half."""
+    rows = len(x)
+    permutation = torch.randperm(rows, generator=order)
+    xs, ys = x[permutation], y[permutation]
+    for start in range(0, rows, BATCH * WORKERS):
+        stop = min(start + BATCH * WORKERS, rows)
+        # This rank's half of the global batch (of a short last one too).
+        half = -(-(stop - start) // WORKERS)
+        lo, hi = start + rank * half, min(start + (rank + 1) * half, stop)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs[lo:hi]), ys[lo:hi])
+        loss.backward()
+        optimizer.step()
 
 
 def _ddp_train(rank: int, init_method: str, path: str, width: int, epochs: int
@@ -228,17 +278,7 @@ def _ddp_train(rank: int, init_method: str, path: str, width: int, epochs: int
     for epoch in range(epochs):
         torch_dist.barrier()
         started = time.perf_counter()
-        permutation = torch.randperm(rows, generator=order)
-        xs, ys = x[permutation], y[permutation]
-        for start in range(0, rows, BATCH * WORKERS):
-            stop = min(start + BATCH * WORKERS, rows)
-            # This rank's half of the global batch (of a short last one too).
-            half = -(-(stop - start) // WORKERS)
-            lo, hi = start + rank * half, min(start + (rank + 1) * half, stop)
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(xs[lo:hi]), ys[lo:hi])
-            loss.backward()
-            optimizer.step()
+        _epoch(model, optimizer, x, y, rank, order)
         wall = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         torch_dist.all_reduce(wall, op=torch_dist.ReduceOp.MAX)  # the slower rank's
         rates.append(rows / wall.item())
@@ -288,6 +328,48 @@ def ddp_run(path: str, width: int, epochs: int
     return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}, use
 
 
+# -- no exchange: the ceiling ------------------------------------------------------------
+def _alone_process(rank: int, path: str, width: int, epochs: int, start: Any, out: Any
+                   ) -> None:
+    """DDP's loop on one rank without DDP: its own replica, no exchange. ``start`` (a
+    barrier of both ranks) begins each epoch together, so that neither runs alone."""
+    torch.set_num_threads(1)
+    x, y = _arrays(path)
+    model = mlp(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    order = torch.Generator().manual_seed(0)
+    walls = []
+    for _ in range(epochs):
+        start.wait(timeout=RUN_TIMEOUT)
+        started = time.perf_counter()
+        _epoch(model, optimizer, x, y, rank, order)
+        walls.append(time.perf_counter() - started)
+    out.put((rank, walls))
+
+
+def ceiling_run(path: str, width: int, epochs: int) -> Rates:
+    """samples/s per epoch of 2 processes that each train a replica of their own on their
+    half of every global batch, as DDP's ranks do, with nothing exchanged: what the
+    forward and backward passes and the optimizer's step allow on this machine, which no
+    exchange can beat (the epoch's wall is the slower process's)."""
+    ctx = mp.get_context("spawn")
+    out, start = ctx.Queue(), ctx.Barrier(WORKERS)
+    procs = [ctx.Process(target=_alone_process, args=(r, path, width, epochs, start, out))
+             for r in range(WORKERS)]
+    with baseline_environment():
+        for p in procs:
+            p.start()
+    try:
+        walls = dict(out.get(timeout=RUN_TIMEOUT) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    rows = len(dt.open_dataset(path))
+    return [rows / max(epoch) for epoch in zip(*walls.values(), strict=True)]
+
+
 # -- across two hosts --------------------------------------------------------------------
 _ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # gloo binds to the host's address (by default to what the hostname resolves to, which a
@@ -298,19 +380,18 @@ _RANK_ENVIRONMENT = {**_ONE_THREAD, "GLOO_SOCKET_IFNAME": INTERFACE,
 
 
 class TwoHosts:
-    """Two hosts (network namespaces), a Dask cluster of one worker process on each and the
-    fit's driver on the first; DDP's ranks start on each for each run. All gone at
-    :meth:`close`."""
+    """Two hosts (network namespaces) and the fit's driver on the first. Each dasktrain run
+    starts a Dask cluster of one worker process on each host and closes it after the run;
+    DDP's ranks start on each for each run. All gone at :meth:`close`."""
 
     def __init__(self, directory: str, link_rate: str | None = None) -> None:
         self._stack = contextlib.ExitStack()
         self._runs = 0
+        self._directory = directory
         try:
             self.hosts = self._stack.enter_context(Hosts(2))
             if link_rate is not None:
                 self.hosts.limit_rate(link_rate)
-            self.cluster = self._stack.enter_context(
-                HostCluster(self.hosts, [1, 1], directory=directory))
             # Started as a user's own process would be (see baseline_environment): the
             # driver here is a plain process, as the benchmark's own is on one host.
             with baseline_environment():
@@ -322,8 +403,9 @@ class TwoHosts:
 
     def dasktrain(self, path: str, width: int, epochs: int, **options: Any
                   ) -> tuple[Rates, dict[str, Any], State, Processors | None]:
-        return self.driver.call(_dasktrain_on_hosts, self.cluster.scheduler_address, path,
-                                width, epochs, options, timeout=RUN_TIMEOUT)
+        with HostCluster(self.hosts, [1, 1], directory=self._directory) as cluster:
+            return self.driver.call(_dasktrain_on_hosts, cluster.scheduler_address, path,
+                                    width, epochs, options, timeout=RUN_TIMEOUT)
 
     def ddp(self, path: str, width: int, epochs: int
             ) -> tuple[Rates, State, Processors | None]:
@@ -361,15 +443,16 @@ class Setting:
     theirs: Callable[[int], tuple[Rates, State, Processors | None]]  # (width)
 
 
-def settings(args: argparse.Namespace, client: Client, data: dt.Dataset, path: str,
-             stack: contextlib.ExitStack) -> tuple[list[Setting], str | None]:
+def settings(args: argparse.Namespace, path: str, stack: contextlib.ExitStack
+             ) -> tuple[list[Setting], str | None]:
     """The settings ``--hosts`` asks for, and a note where across hosts runs on one."""
     found, note = [], None
     epochs = args.epochs
     if "one" in args.hosts:
         found.append(Setting(
             "one", "one host", "DDP over gloo, data in memory",
-            lambda width, **options: dasktrain_run(client, data, width, epochs, **options),
+            lambda width, **options: one_host_run(args.cluster, path, width, epochs,
+                                                  **options),
             lambda width: ddp_run(path, width, epochs)))
     if "two" in args.hosts:
         try:
@@ -379,8 +462,8 @@ def settings(args: argparse.Namespace, client: Client, data: dt.Dataset, path: s
                     "with shared_memory=False, the path a worker on another host takes")
             found.append(Setting(
                 "two", "one host, shared_memory=False", "DDP over gloo, data in memory",
-                lambda width, **options: dasktrain_run(client, data, width, epochs,
-                                                       shared_memory=False, **options),
+                lambda width, **options: one_host_run(args.cluster, path, width, epochs,
+                                                      shared_memory=False, **options),
                 lambda width: ddp_run(path, width, epochs)))
         else:
             stack.callback(two.close)
@@ -465,6 +548,7 @@ class Row:
     one_piece: float | None  # with --whole-gradient
     ours_use: Processors | None  # medians of the repeats
     theirs_use: Processors | None
+    ceiling: float  # samples/s with nothing exchanged (the median of the repeats)
 
 
 def median_use(uses: list[Processors | None]) -> Processors | None:
@@ -526,16 +610,12 @@ def main() -> None:
     check = None
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dasktrain-w4-"))
-        cluster = stack.enter_context(
-            start_local_cluster(n_workers=WORKERS) if args.cluster == "default" else
-            LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
-                         host="127.0.0.1", **NO_DASHBOARD))
-        client = stack.enter_context(Client(cluster))
         path = str(Path(tmp) / "regression.zarr")
-        data = dt.prepare("regression", path, client=client, samples=args.rows,
-                          width=FEATURES, progress=False)
+        with start_local_cluster(n_workers=WORKERS) as cluster, Client(cluster) as client:
+            dt.prepare("regression", path, client=client, samples=args.rows, width=FEATURES,
+                       progress=False)
         probe_x, probe_y = (a[:PROBE_ROWS] for a in _arrays(path))
-        found, note = settings(args, client, data, path, stack)
+        found, note = settings(args, path, stack)
         if note:
             print(note, flush=True)
         for width in args.hidden:
@@ -543,7 +623,12 @@ def main() -> None:
             results = {s.key: {"ours": [], "theirs": [], "whole": [], "ours_use": [],
                                "theirs_use": []} for s in found}
             last: dict[str, dict[str, Any]] = {}
+            ceilings = []
             for repeat in range(args.repeats):
+                alone = ceiling_run(path, width, args.epochs)
+                ceilings.append(_steady(alone))
+                print(f"{label}, repeat {repeat + 1}: no exchange "
+                      f"{', '.join(f'{r:,.0f}' for r in alone)} samples/s by epoch", flush=True)
                 for setting in found:  # alternating, so that drift hits every setting
                     last[setting.key], ours_first, ddp_first = measure(
                         width, setting, args, repeat, results[setting.key])
@@ -557,7 +642,8 @@ def main() -> None:
                                 statistics.median(figures["theirs"]), last[setting.key],
                                 statistics.median(figures["whole"]) if figures["whole"]
                                 else None, median_use(figures["ours_use"]),
-                                median_use(figures["theirs_use"])))
+                                median_use(figures["theirs_use"]),
+                                statistics.median(ceilings)))
     print("\n| model | hosts | dasktrain `sync` (samples/s) | DDP, gloo, data in memory "
           "(samples/s) | ratio | goal |")
     print("|---|---|---:|---:|---:|---|")
@@ -571,6 +657,13 @@ def main() -> None:
         (ours_busy, ours_time), (ddp_busy, ddp_time) = _use(row.ours_use), _use(row.theirs_use)
         print(f"| {row.label} | {row.setting.name} | {ours_busy} / {ddp_busy} | {ours_time} / "
               f"{ddp_time} |")
+    print("\n| model | hosts | no exchange (samples/s) | dasktrain / no exchange | DDP / no "
+          "exchange | the most any side could lead DDP by |")
+    print("|---|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row.label} | {row.setting.name} | {row.ceiling:,.0f} | "
+              f"{row.ours / row.ceiling:.0%} | {row.theirs / row.ceiling:.0%} | "
+              f"{row.ceiling / row.theirs:.2f}x |")
     if args.whole_gradient:
         print("\n| model | hosts | in buckets: gradient during backward, reply during "
               "forward (default) | each in one piece | buckets gain |")
