@@ -27,12 +27,11 @@ address from 192.0.2.0/24, hostname and loopback, joined by a bridge. dasktrain 
 Dask cluster of one single-threaded worker process per host (started for each run and
 closed after it), the scheduler and the fit's driver on the first host: the trainer worker
 in the holder's process calls it in place, as on one host, and the other reaches it over
-TCP instead of memory shared with it. DDP runs
-rank 0 on the first host and rank 1 on the second, gloo bound to each host's address
-(``GLOO_SOCKET_IFNAME``), in new processes each run as on one host. Where namespaces
-cannot be made (not Linux, not root), this setting is measured on one host with
-``shared_memory=False`` (the worker's bytes then go over the channel's local socket)
-against DDP on one host, and the report says so.
+TCP instead of memory shared with it. DDP runs rank 0 on the first host and rank 1 on the
+second, gloo bound to each host's address (``GLOO_SOCKET_IFNAME``), in new processes each
+run as on one host. Where namespaces cannot be made (not Linux, not root), this setting is
+measured on one host with ``shared_memory=False`` (the worker's bytes then go over the
+channel's local socket) against DDP on one host, and the report says so.
 
 Each run has the machine to itself, as each side would for its user: no Dask cluster
 runs while DDP or the ceiling (below) runs, nor the other setting's while dasktrain does.
@@ -302,6 +301,30 @@ def _ddp_process(rank: int, port: int, path: str, width: int, epochs: int, out) 
     os._exit(0)
 
 
+def _spawned(target: Callable[..., None], args: Callable[[int], tuple], results: int,
+             what: str) -> list[Any]:
+    """Run ``target(*args(rank), out)`` in a spawned process per rank, started as a user's
+    own script would start them (see ``baseline_environment``), and return the first
+    ``results`` items they put on ``out``; RuntimeError if one of them failed."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args(r), out)) for r in range(WORKERS)]
+    with baseline_environment():
+        for p in procs:
+            p.start()
+    try:
+        found = [out.get(timeout=RUN_TIMEOUT) for _ in range(results)]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"a {what} process failed: exit codes "
+                           f"{[p.exitcode for p in procs]}")
+    return found
+
+
 def ddp_run(path: str, width: int, epochs: int
             ) -> tuple[Rates, State, Processors | None]:
     """Train with DDP over gloo in 2 spawned processes on 127.0.0.1: samples/s per epoch,
@@ -309,22 +332,8 @@ def ddp_run(path: str, width: int, epochs: int
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_process, args=(r, port, path, width, epochs, out))
-             for r in range(WORKERS)]
-    with baseline_environment():
-        for p in procs:
-            p.start()
-    try:
-        rates, after_first, use = out.get(timeout=RUN_TIMEOUT)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"a DDP process failed: exit codes {[p.exitcode for p in procs]}")
+    [(rates, after_first, use)] = _spawned(
+        _ddp_process, lambda rank: (rank, port, path, width, epochs), 1, "DDP")
     return rates, {k: torch.from_numpy(v) for k, v in after_first.items()}, use
 
 
@@ -352,20 +361,9 @@ def ceiling_run(path: str, width: int, epochs: int) -> Rates:
     half of every global batch, as DDP's ranks do, with nothing exchanged: what the
     forward and backward passes and the optimizer's step allow on this machine, which no
     exchange can beat (the epoch's wall is the slower process's)."""
-    ctx = mp.get_context("spawn")
-    out, start = ctx.Queue(), ctx.Barrier(WORKERS)
-    procs = [ctx.Process(target=_alone_process, args=(r, path, width, epochs, start, out))
-             for r in range(WORKERS)]
-    with baseline_environment():
-        for p in procs:
-            p.start()
-    try:
-        walls = dict(out.get(timeout=RUN_TIMEOUT) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    start = mp.get_context("spawn").Barrier(WORKERS)
+    walls = dict(_spawned(_alone_process, lambda rank: (rank, path, width, epochs, start),
+                          WORKERS, "ceiling"))
     rows = len(dt.open_dataset(path))
     return [rows / max(epoch) for epoch in zip(*walls.values(), strict=True)]
 
