@@ -347,13 +347,13 @@ def _alone_process(rank: int, path: str, width: int, epochs: int, start: Any, ou
     model = mlp(width)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     order = torch.Generator().manual_seed(0)
-    walls = []
+    rates = []
     for _ in range(epochs):
         start.wait(timeout=RUN_TIMEOUT)
         started = time.perf_counter()
         _epoch(model, optimizer, x, y, rank, order)
-        walls.append(time.perf_counter() - started)
-    out.put((rank, walls))
+        rates.append(len(x) / (time.perf_counter() - started))
+    out.put(rates)
 
 
 def ceiling_run(path: str, width: int, epochs: int) -> Rates:
@@ -362,10 +362,9 @@ def ceiling_run(path: str, width: int, epochs: int) -> Rates:
     forward and backward passes and the optimizer's step allow on this machine, which no
     exchange can beat (the epoch's wall is the slower process's)."""
     start = mp.get_context("spawn").Barrier(WORKERS)
-    walls = dict(_spawned(_alone_process, lambda rank: (rank, path, width, epochs, start),
-                          WORKERS, "ceiling"))
-    rows = len(dt.open_dataset(path))
-    return [rows / max(epoch) for epoch in zip(*walls.values(), strict=True)]
+    ranks = _spawned(_alone_process, lambda rank: (rank, path, width, epochs, start),
+                     WORKERS, "ceiling")
+    return [min(epoch) for epoch in zip(*ranks, strict=True)]
 
 
 # -- across two hosts --------------------------------------------------------------------
