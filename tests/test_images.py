@@ -25,7 +25,13 @@ from dasktrain.pipeline.images import (
     Resize,
 )
 from tests.common.builders import assert_user_error, run_benchmark_quick, run_cli, run_cli_batch
-from tests.common.images import CLASSES, pillow_crop, pillow_decode, write_image_folder
+from tests.common.images import (
+    CLASSES,
+    pillow_crop,
+    pillow_decode,
+    write_every_mode,
+    write_image_folder,
+)
 
 SIZE = (32, 32)  # stored size of the decoded dataset (the files are 40 x 48)
 
@@ -177,6 +183,27 @@ def test_encoded_epochs_resume_exactly_and_see_every_image_once(client, prepared
     with dt.Pipeline(ds, 4, seed=9, transform=on_workers, client=client) as pipe:
         for (a, ya), (b, yb) in zip(full, pipe, strict=True):
             assert torch.equal(a, b) and torch.equal(ya, yb)
+
+
+def test_every_image_mode_becomes_its_rgb_pixels_in_both_storages(client, tmp_path):
+    # 16-bit greyscale ("I;16") keeps the high byte of each sample; Pillow's own conversion
+    # made every value above 255 white.
+    expected = write_every_mode(tmp_path / "modes" / "all", height=12, width=16)
+    out = {storage: dt.prepare(tmp_path / "modes", tmp_path / f"{storage}.zarr",
+                               client=client, progress=False, image_storage=storage,
+                               chunk_rows=8)
+           for storage in ("decoded", "encoded")}
+    rows = _files_of(out["encoded"], sorted(expected))
+    assert out["decoded"].attrs["images"]["size"] == [12, 16]
+    decoded = out["decoded"].zarr_array("image")[:].transpose(0, 2, 3, 1)
+    pipe = dt.Pipeline(out["encoded"], 8, shuffle=False, transform=ImageTransform(),
+                       client=client, as_dict=True)
+    served = np.concatenate([b["image"].numpy() for b in pipe]).transpose(0, 2, 3, 1)
+    for file, stored, batch in zip(rows, decoded, served, strict=True):
+        want = expected[file]
+        assert want.max() > 200 and want.min() < 60, file.name  # not all white, nor black
+        np.testing.assert_array_equal(stored, want, err_msg=file.name)
+        np.testing.assert_array_equal(batch, want, err_msg=file.name)
 
 
 def _bad_folder(root: Path) -> list[Path]:

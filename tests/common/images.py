@@ -3,6 +3,8 @@ Pillow decode every test compares with."""
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +60,73 @@ def pillow_crop(image: np.ndarray, box: tuple[int, int, int, int], size: tuple[i
     if flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return np.array(out)
+
+
+def _png16(path: Path, samples: np.ndarray, color_type: int) -> None:
+    """A PNG of 16-bit samples (Pillow writes 16-bit greyscale only): ``samples`` of shape
+    (height, width) or (height, width, channels), ``color_type`` 0 (grey), 2 (RGB), 4 (grey
+    and alpha) or 6 (RGBA)."""
+    height, width = samples.shape[:2]
+    rows = b"".join(b"\0" + samples[r].astype(">u2").tobytes() for r in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    header = struct.pack(">IIBBBBB", width, height, 16, color_type, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def write_every_mode(folder: Path, height: int = 12, width: int = 16) -> dict[Path, np.ndarray]:
+    """One file of each Pillow mode an image folder can hold (PNG, JPEG, BMP and WebP; 1-bit,
+    grey, grey and alpha, palette with and without transparency, RGB, RGBA, CMYK, and 16-bit
+    grey, grey and alpha, RGB and RGBA), all of ``height`` x ``width``, in ``folder``.
+
+    Returns each file's expected RGB pixels (height, width, 3) ``uint8``: Pillow's own
+    conversion to RGB for 8-bit files, and the 8-bit picture a 16-bit file was made of
+    (each sample times 257, so its high byte is the 8-bit value).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    rgb = picture(np.random.default_rng(3), height, width, 2)
+    grey = np.asarray(Image.fromarray(rgb).convert("L"))
+    alpha = np.linspace(0, 255, height * width, dtype=np.uint8).reshape(height, width)
+    pictures = {
+        "1": Image.fromarray(grey).convert("1"),
+        "L": Image.fromarray(grey),
+        "LA": Image.fromarray(np.stack([grey, alpha], axis=-1), "LA"),
+        "P": Image.fromarray(rgb).convert("P", palette=Image.Palette.ADAPTIVE, colors=32),
+        "RGB": Image.fromarray(rgb),
+        "RGBA": Image.fromarray(np.dstack([rgb, alpha]), "RGBA"),
+        "CMYK": Image.fromarray(rgb).convert("CMYK"),
+    }
+    transparent = pictures["P"].copy()
+    transparent.info["transparency"] = 0
+    files = {
+        "png-1.png": pictures["1"], "png-L.png": pictures["L"], "png-LA.png": pictures["LA"],
+        "png-P.png": pictures["P"], "png-P-transparent.png": transparent,
+        "png-RGB.png": pictures["RGB"], "png-RGBA.png": pictures["RGBA"],
+        "jpeg-L.jpg": pictures["L"], "jpeg-RGB.jpg": pictures["RGB"],
+        "jpeg-CMYK.jpg": pictures["CMYK"],
+        "bmp-1.bmp": pictures["1"], "bmp-L.bmp": pictures["L"], "bmp-P.bmp": pictures["P"],
+        "bmp-RGB.bmp": pictures["RGB"], "webp-RGB.webp": pictures["RGB"],
+        "webp-RGBA.webp": pictures["RGBA"],
+    }
+    expected = {}
+    for name, image in files.items():
+        path = folder / name
+        image.save(path, quality=95) if name.endswith(".jpg") else image.save(path)
+        with Image.open(path) as written:
+            expected[path] = np.array(written.convert("RGB"))
+    wide = [("png16-L.png", grey.astype(np.uint16) * 257, 0, np.dstack([grey] * 3)),
+            ("png16-LA.png", np.dstack([grey, alpha]).astype(np.uint16) * 257, 4,
+             np.dstack([grey] * 3)),
+            ("png16-RGB.png", rgb.astype(np.uint16) * 257, 2, rgb),
+            ("png16-RGBA.png", np.dstack([rgb, alpha]).astype(np.uint16) * 257, 6, rgb)]
+    for name, samples, color_type, want in wide:
+        _png16(folder / name, samples, color_type)
+        expected[folder / name] = want
+    # Pillow's own 16-bit greyscale file too ("I;16", written by Pillow itself)
+    Image.fromarray(grey.astype(np.uint16) * 257).save(folder / "png16-I16.png")
+    expected[folder / "png16-I16.png"] = np.dstack([grey] * 3)
+    return expected
