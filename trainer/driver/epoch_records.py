@@ -21,11 +21,14 @@ def merged_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
-                 previous_ends: dict[int, float] | None = None) -> dict[str, Any]:
+                 previous_ends: dict[int, float] | None = None,
+                 applied: int | None = None) -> dict[str, Any]:
     """What epoch ``epoch`` did, over ``wall`` seconds, by the workers' ``reports``;
     ``previous_ends``: when each worker finished its last step of the epoch before (wall
-    clock), for the gap between the two epochs."""
-    samples = sum(r["samples"] for r in reports)
+    clock), for the gap between the two epochs; ``applied``: the samples the holder's
+    updates applied in the epoch, which count the work of a worker that died or left
+    without a report (else the reports' sum)."""
+    samples = applied if applied is not None else sum(r["samples"] for r in reports)
     gaps = {int(r["worker"]): _gap(r, previous_ends or {}) for r in reports}
     known = [g for g in gaps.values() if g is not None]
     return {

@@ -143,7 +143,7 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
         on_nonfinite=trainer.on_nonfinite,
         nonfinite_patience=trainer.nonfinite_patience, clip_grad_norm=trainer.clip_grad_norm,
         clip_grad_value=trainer.clip_grad_value, assignment=assignment,
-        elastic=trainer.min_workers < trainer.workers)
+        elastic=trainer.min_workers < trainer.workers, min_workers=trainer.min_workers)
     worker_config = WorkerConfig(
         model=trainer._factory, compute=trainer.compute, data=dataset,
         workers=trainer.workers, batch_size=trainer.batch_size, pipeline_options=options,
@@ -229,7 +229,8 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         ended = time.perf_counter()
         values, holder_state = run.boundary(epoch)
         trainer._load(values)
-        record = epoch_record(epoch, reports, ended - epoch_started, ends)
+        record = epoch_record(epoch, reports, ended - epoch_started, ends,
+                              applied=run.applied_samples)
         epoch_started = ended
         ends = epoch_ends(reports)
         if run.worker_config.assignment == "dynamic":
@@ -238,7 +239,7 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
                                             range(max(shares, default=-1) + 1)]
         if validation is not None:
             record["validation"] = trainer.evaluate(validation, client=client)
-        history.epochs.append(record)
+        run.record_epoch(record)
         run.show_epoch(record)
         history.wall_time = time.perf_counter() - started
         for callback in callbacks:  # before the save: their state goes in with it
@@ -247,7 +248,7 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         # rate factor): the state to keep is its own now, which save takes (None).
         run.save(complete_epochs=epoch + 1, holder_state=holder_state)
         if trainer.stop_training:
-            history.events.append(f"training stopped after epoch {epoch} by a callback")
+            run.add_events([f"training stopped after epoch {epoch} by a callback"])
             break
         if steered and epoch + 1 < epochs:
             run.queue(epoch + 1)

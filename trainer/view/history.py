@@ -37,7 +37,9 @@ class History:
     metrics, and, where work is claimed on demand, ``batches_per_worker`` (the share of
     the epoch each worker's gradients took). ``events`` says what happened to workers
     (lost, rejoined, refused gradients, claimed work given back); ``claims`` lists each
-    claim of work as ``[epoch, version, worker, first batch, stop]``.
+    claim of work as ``[epoch, version, worker, first batch, stop]``; ``fenced_calls``
+    counts the calls the holder refused because they came from a worker's task that was
+    no longer current (a dead one's late push, a claim that waited while it was dropped).
     """
 
     mode: str = ""
@@ -58,6 +60,7 @@ class History:
     events: list[str] = dataclasses.field(default_factory=list)
     claims: list[list[int]] = dataclasses.field(default_factory=list)
     refused_gradients: int = 0
+    fenced_calls: int = 0
     wall_time: float = 0.0
 
     def extend(self, records: dict[str, list]) -> None:
