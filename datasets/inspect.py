@@ -50,11 +50,22 @@ def _raw_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
     return round(float(stat.get("mean", 0)) * int(stat.get("count", 0)))
 
 
+#: What an encoded image is, on the images line and in its array's row.
+_ENCODED = ("encoded JPEG/PNG/BMP/WebP (the files' bytes, each image its own size), decoded "
+            "to H x W x 3 uint8 by the pipeline's ImageTransform")
+
+
+def _dtype_of(z: zarr.Array) -> str:
+    """The dtype column of an array's row: ``encoded`` for the variable-length bytes of
+    encoded images (Zarr's ``object``), else the dtype."""
+    return "encoded" if z.dtype == object else str(z.dtype)
+
+
 def _images_line(images: dict[str, Any], classes: list[str] | None) -> str:
     """``images    decoded NCHW 3x32x32 (center-crop), 3 classes: cat, dog, eel``."""
     how = (f"decoded {images['layout']} {images['channels']}x"
            f"{'x'.join(map(str, images['size']))} ({images['fit']})"
-           if images.get("storage") == "decoded" else "encoded (the files' bytes)")
+           if images.get("storage") == "decoded" else _ENCODED)
     if classes:
         shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
         how += f", {len(classes):,} classes: {shown}"
@@ -100,7 +111,7 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
         codecs = ", ".join(type(c).__name__.removesuffix("Codec").lower()
                            for c in z.compressors) or "none"
         ratio = raw / stored if stored else math.inf
-        lines.append(f"  {name:<8} {ds.role_of(name):<9} {z.dtype!s:<8} shape={z.shape} "
+        lines.append(f"  {name:<8} {ds.role_of(name):<9} {_dtype_of(z):<8} shape={z.shape} "
                      f"chunks={z.chunks} codec={codecs} {_human(raw)} -> {_human(stored)} "
                      f"({ratio:.2f}x)")
     ratio = total_raw / total_stored if total_stored else math.inf
@@ -122,6 +133,12 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     lines.append("normalized " + (", ".join(_normalized(attrs, k, v)
                                            for k, v in norm.items()) if norm else "no"))
     for name, stat in attrs["stats"].items():
+        if attrs["arrays"].get(name, {}).get("dtype") == "object":
+            # Statistics of encoded images are those of the files' sizes
+            lines.append(f"  {name}: file sizes mean {_human(float(np.mean(stat['mean'])))}, "
+                         f"min {_human(float(np.min(stat['min'])))}, "
+                         f"max {_human(float(np.max(stat['max'])))}")
+            continue
         mean = np.asarray(stat["mean"]).ravel()
         std = np.asarray(stat["std"]).ravel()
         over = "all values" if stat.get("pooled") else f"avg over {mean.size}"

@@ -86,6 +86,17 @@ def test_a_class_folder_is_prepared_both_ways_with_its_class_names(client, folde
     assert "3 classes: cat, dog, eel" in dt.describe(decoded)
 
 
+def test_info_says_what_an_encoded_image_is_not_its_zarr_dtype(prepared):
+    text = dt.describe(prepared["encoded"])
+    assert "object" not in text
+    assert "  image    features  encoded  shape=(24,)" in text
+    assert ("images    encoded JPEG/PNG/BMP/WebP (the files' bytes, each image its own size), "
+            "decoded to H x W x 3 uint8 by the pipeline's ImageTransform") in text
+    sizes = prepared["encoded"].attrs["stats"]["image"]
+    assert f"image: file sizes mean {sizes['mean'] / 1024:.1f} KiB" in text
+    assert "images    decoded NCHW 3x32x32 (center-crop)" in dt.describe(prepared["decoded"])
+
+
 def test_decoded_rows_are_the_files_decoded_by_pillow(folder, prepared):
     _, files = folder
     rows = _files_of(prepared["encoded"], files)
