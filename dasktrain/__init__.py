@@ -51,6 +51,7 @@ _LAZY = {
     "EvolutionError": "dasktrain.evolve",
     "EvolutionHistory": "dasktrain.evolve",
     "Evolver": "dasktrain.evolve",
+    "FitnessFailed": "dasktrain.evolve",
     "InvalidFitness": "dasktrain.evolve",
 }
 
@@ -82,6 +83,7 @@ __all__ = [
     "EvolutionError",
     "EvolutionHistory",
     "Evolver",
+    "FitnessFailed",
     "History",
     "HolderLost",
     "InvalidFitness",
