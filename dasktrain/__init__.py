@@ -8,6 +8,7 @@ from dasktrain._cluster import get_client
 from dasktrain.datasets import (
     Dataset,
     DatasetError,
+    OutputExistsError,
     PrepareConfig,
     SourceError,
     VerifyReport,
@@ -93,6 +94,7 @@ __all__ = [
     "MLflowLogger",
     "ModelCheckpoint",
     "NamedBatch",
+    "OutputExistsError",
     "ParameterHolder",
     "Pipeline",
     "PipelineError",

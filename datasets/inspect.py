@@ -18,17 +18,10 @@ from dasktrain.datasets.chunks import ChunkError
 from dasktrain.datasets.cleaning import cleaning_summary, constant_summary
 from dasktrain.datasets.dataset import Dataset, array_path, open_dataset
 from dasktrain.datasets.errors import DatasetError
+from dasktrain.datasets.sizes import human_bytes
 from dasktrain.datasets.stats import merge_all, summary_of
 
 __all__ = ["VerifyReport", "describe", "verify"]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def _stored_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
@@ -112,10 +105,10 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
                            for c in z.compressors) or "none"
         ratio = raw / stored if stored else math.inf
         lines.append(f"  {name:<8} {ds.role_of(name):<9} {_dtype_of(z):<8} shape={z.shape} "
-                     f"chunks={z.chunks} codec={codecs} {_human(raw)} -> {_human(stored)} "
-                     f"({ratio:.2f}x)")
+                     f"chunks={z.chunks} codec={codecs} {human_bytes(raw)} -> "
+                     f"{human_bytes(stored)} ({ratio:.2f}x)")
     ratio = total_raw / total_stored if total_stored else math.inf
-    lines.append(f"size      {_human(total_raw)} raw, {_human(total_stored)} stored "
+    lines.append(f"size      {human_bytes(total_raw)} raw, {human_bytes(total_stored)} stored "
                  f"(compression {ratio:.2f}x)")
     if attrs.get("images"):
         lines.append(_images_line(attrs["images"],
@@ -135,9 +128,9 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     for name, stat in attrs["stats"].items():
         if attrs["arrays"].get(name, {}).get("dtype") == "object":
             # Statistics of encoded images are those of the files' sizes
-            lines.append(f"  {name}: file sizes mean {_human(float(np.mean(stat['mean'])))}, "
-                         f"min {_human(float(np.min(stat['min'])))}, "
-                         f"max {_human(float(np.max(stat['max'])))}")
+            lines.append(f"  {name}: file sizes mean {human_bytes(float(np.mean(stat['mean'])))}, "
+                         f"min {human_bytes(float(np.min(stat['min'])))}, "
+                         f"max {human_bytes(float(np.max(stat['max'])))}")
             continue
         mean = np.asarray(stat["mean"]).ravel()
         std = np.asarray(stat["std"]).ravel()
