@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dasktrain.errors import DasktrainError
 
-__all__ = ["DatasetError", "OutputExistsError", "SourceError"]
+__all__ = ["DatasetError", "OutputExistsError", "PreparationFailed", "SourceError"]
 
 
 class DatasetError(DasktrainError, ValueError):
@@ -23,3 +23,8 @@ class SourceError(DasktrainError, ValueError):
 class OutputExistsError(DasktrainError, FileExistsError):
     """A preparation's output is there already (or appeared while it ran) and may not be
     replaced: no ``overwrite``, or not a dasktrain dataset. The message names the output."""
+
+
+class PreparationFailed(DasktrainError, RuntimeError):
+    """The cluster could not run a preparation (its workers died again and again); the
+    message says the likely cause and what to change."""

@@ -56,8 +56,10 @@ def _dtype_of(z: zarr.Array) -> str:
 
 def _images_line(images: dict[str, Any], classes: list[str] | None) -> str:
     """``images    decoded NCHW 3x32x32 (center-crop), 3 classes: cat, dog, eel``."""
+    chosen = images.get("size_from")
     how = (f"decoded {images['layout']} {images['channels']}x"
-           f"{'x'.join(map(str, images['size']))} ({images['fit']})"
+           f"{'x'.join(map(str, images['size']))} ({images['fit']}"
+           + (f"; {chosen}" if chosen and chosen != "--image-size" else "") + ")"
            if images.get("storage") == "decoded" else _ENCODED)
     if classes:
         shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")

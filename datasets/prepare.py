@@ -34,12 +34,13 @@ import importlib.metadata
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
-from distributed import Client
+from distributed import Client, KilledWorker
 from zarr.storage import StoreLike
 
 from dasktrain._cluster import cluster_client
@@ -50,7 +51,7 @@ from dasktrain.datasets.chunks import MANIFEST_KEY, manifest_of
 from dasktrain.datasets.cleaning import warn_about_cleaning
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
-from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.errors import DatasetError, PreparationFailed, SourceError
 from dasktrain.datasets.format import FORMAT_VERSION, chunk_lengths, chunk_rows_for
 from dasktrain.datasets.one_pass import write_direct
 from dasktrain.datasets.remote import StagedPrefix, check_output_url
@@ -99,14 +100,34 @@ def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None)
     return True
 
 
+announce: Callable[[str], None] | None = None
+"""Where the line a preparation says before it writes goes, beside the log (the CLI prints
+it)."""
+
+
 def _expected(src: Source) -> str:
     """What the build will write, as known before it starts: ``1,797 samples, about 464.3
-    KiB before compression``."""
+    KiB before compression``, and what the source adds (images: their size and its cost)."""
+    note = getattr(src, "note", None)
     if src.num_samples < 0:  # a table's complete rows, a corpus's tokens: counted first
-        return "the samples are counted first"
-    row_bytes = sum(s.sample_bytes for s in src.specs.values())
-    return (f"{src.num_samples:,} samples, about {human_bytes(src.num_samples * row_bytes)} "
-            "before compression")
+        said = "the samples are counted first"
+    else:
+        row_bytes = sum(s.sample_bytes for s in src.specs.values())
+        said = (f"{src.num_samples:,} samples, about "
+                f"{human_bytes(src.num_samples * row_bytes)} before compression")
+    return f"{said}; {note}" if note else said
+
+
+def _killed(src: Source, exc: KilledWorker) -> PreparationFailed:
+    """The error of a preparation whose workers died again and again, saying the usual
+    cause (a worker's memory) and what to change."""
+    hint = getattr(src, "memory_hint", None)
+    fix = (hint() if hint is not None else
+           "give a smaller --chunk-size (chunk_size=), or the workers more memory")
+    return PreparationFailed(
+        f"the workers preparing this dataset died while running its tasks, again and again "
+        f"(Dask gave up: {type(exc).__name__}); a worker killed for using more memory than "
+        f"it may is the usual cause: {fix}")
 
 
 def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_store: StoreLike,
@@ -260,10 +281,16 @@ def prepare(
                               "holds integers or bytes (tokens, pixels, encoded images): "
                               "leave out --normalize")
         check_specs(os.fspath(source), src.specs, src.provenance, config.arrays)
-        logger.info("preparing %s from %s: %s", target, os.fspath(source), _expected(src))
+        said = f"preparing {target} from {os.fspath(source)}: {_expected(src)}"
+        logger.info("%s", said)
+        if announce is not None:
+            announce(said)
         with cluster_client(client, scheduler) as active:
-            attrs = _build(active, os.fspath(source), src, staged.open_group(),
-                           staged.stage_store(), config, progress)
+            try:
+                attrs = _build(active, os.fspath(source), src, staged.open_group(),
+                               staged.stage_store(), config, progress)
+            except KilledWorker as exc:
+                raise _killed(src, exc) from exc
         staged.publish(attrs)
     except Exception as exc:
         # A build at a URL that another preparation's publish retired fails in its tasks,

@@ -9,14 +9,18 @@ import io
 import itertools
 from pathlib import Path
 
+import dask
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from distributed import Client, LocalCluster
 from PIL import Image
 
 import dasktrain as dt
 from dasktrain.datasets.cleaning import CleaningWarning
+from dasktrain.datasets.sources.image_sizes import ImageSizeWarning
+from dasktrain.datasets.sources.images import ImageSource
 from dasktrain.pipeline.images import (
     ImageTransform,
     Normalize,
@@ -27,10 +31,12 @@ from dasktrain.pipeline.images import (
 from tests.common.builders import assert_user_error, run_benchmark_quick, run_cli, run_cli_batch
 from tests.common.images import (
     CLASSES,
+    picture,
     pillow_crop,
     pillow_decode,
     write_every_mode,
     write_image_folder,
+    write_png_header,
 )
 
 SIZE = (32, 32)  # stored size of the decoded dataset (the files are 40 x 48)
@@ -215,6 +221,86 @@ def test_every_image_mode_becomes_its_rgb_pixels_in_both_storages(client, tmp_pa
         assert want.max() > 200 and want.min() < 60, file.name  # not all white, nor black
         np.testing.assert_array_equal(stored, want, err_msg=file.name)
         np.testing.assert_array_equal(batch, want, err_msg=file.name)
+
+
+def _one_huge_first(root: Path, others: int = 20) -> Path:
+    """``root/a/`` holding a 1200 x 1200 image first, then ``others`` of 64 x 64."""
+    (root / "a").mkdir(parents=True)
+    huge = root / "a" / "000-huge.png"
+    Image.new("RGB", (1200, 1200), (90, 140, 200)).save(huge)
+    rng = np.random.default_rng(1)
+    for i in range(others):
+        Image.fromarray(picture(rng, 64, 64, i)).save(root / "a" / f"{i + 1:03d}.png")
+    return huge
+
+
+def test_the_default_size_is_the_median_of_a_sample_not_the_first_file(client, tmp_path):
+    huge = _one_huge_first(tmp_path / "folder")
+    with pytest.warns(ImageSizeWarning, match=(
+            r"1 of 21 sampled images are far from the size they are stored at, 64x64 \(the "
+            rf"median size of 21 sampled files\), and are scaled to it: .*{huge.name} "
+            r"\(1200x1200\); give --image-size")):
+        ds = dt.prepare(tmp_path / "folder", tmp_path / "out.zarr", client=client,
+                        progress=False)
+    assert ds.attrs["images"]["size"] == [64, 64]
+    assert ds.attrs["images"]["size_from"] == "the median size of 21 sampled files"
+    assert ds.attrs["arrays"]["image"]["shape"] == [21, 3, 64, 64]
+    assert "3x64x64 (center-crop; the median size of 21 sampled files)" in dt.describe(ds)
+    # The command says the size and what the dataset will take before it writes.
+    result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "cli.zarr"),
+                     "--no-progress", "--scheduler", client.scheduler.address)
+    assert result.returncode == 0, result.stderr
+    assert (f"preparing {tmp_path / 'cli.zarr'} from {tmp_path / 'folder'}: 21 samples, "
+            "about 252.2 KiB before compression; decoded at 64x64, the median size of 21 "
+            "sampled files (--image-size sets it): 12.0 KiB an image, 252.0 KiB for 21"
+            ) in result.stdout.splitlines()
+    assert result.stderr.startswith("dasktrain prepare: warning: 1 of 21 sampled images")
+
+
+def test_a_default_size_that_would_make_a_huge_dataset_is_refused(tmp_path):
+    # 36 files whose headers say 13000 x 13000: 17 GiB decoded. Refused before any work
+    for i in range(36):
+        (tmp_path / "folder" / "a").mkdir(parents=True, exist_ok=True)
+        write_png_header(tmp_path / "folder" / "a" / f"{i:02d}.png", 13000, 13000)
+    with pytest.raises(dt.SourceError, match=(
+            r"^images decoded at 13000x13000, the median size of 36 sampled files "
+            r"\(--image-size sets it\): 483.5 MiB an image, 17.0 GiB for 36, more than 16.0 "
+            r"GiB: give --image-size to choose their size \(e.g. --image-size 256, or "
+            r"--image-size 13000x13000 to keep this one\), or --image-storage encoded")):
+        dt.prepare(tmp_path / "folder", tmp_path / "out.zarr", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_large_images_make_chunks_a_task_can_hold():
+    rows = {side: ImageSource.chunk_rows_for(3 * side * side, 4 * 2**20)
+            for side in (32, 96, 224, 1200, 8000)}
+    # 512-row multiples while 512 rows stay within 256 MiB; then powers of two within it
+    assert rows == {32: 1536, 96: 512, 224: 512, 1200: 32, 8000: 1}
+
+
+@pytest.mark.slow
+def test_workers_killed_for_their_memory_are_one_line_naming_the_image_size(tmp_path):
+    (tmp_path / "folder" / "a").mkdir(parents=True)
+    for i in range(2):
+        Image.new("RGB", (64, 64), (40 * i, 90, 200)).save(tmp_path / "folder" / "a" / f"{i}.png")
+    # One worker of 300 MiB, which Dask gives up on after one death; an image of 8000 x 8000
+    # takes 183 MiB decoded, and the task holds it at least twice.
+    settings = {"distributed.worker.multiprocessing-method": "spawn",
+                "distributed.scheduler.allowed-failures": 0}
+    with dask.config.set(settings), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                         dashboard_address=None, memory_limit=300 * 2**20) as cluster, \
+            Client(cluster):
+        result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "out.zarr"),
+                         "--image-size", "8000", "--no-progress", "--scheduler",
+                         cluster.scheduler_address)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "dasktrain prepare: error: the workers preparing this dataset died while running "
+        "its tasks, again and again (Dask gave up: KilledWorker); a worker killed for using "
+        "more memory than it may is the usual cause: each decoded image of 8000x8000 takes "
+        "183.1 MiB (--image-size): give a smaller --image-size\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
 def _bad_folder(root: Path) -> list[Path]:

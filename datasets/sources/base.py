@@ -98,7 +98,9 @@ class SourceSettings:
     """How an image source stores its images: ``decoded`` (default; uint8 pixels of a fixed
     size, NCHW) or ``encoded`` (the files' bytes, decoded by the pipeline's transform)."""
     image_size: str | int | None = None
-    """Size of decoded images, ``N`` or ``HxW``; default: the first image's size."""
+    """Size of decoded images, ``N`` or ``HxW``; default: the median size of 64 files spread
+    over the source (read from their headers), refused where it would make a dataset of
+    more than 16 GiB."""
     image_fit: str = "center-crop"
     """How an image of another size is brought to ``image_size``: ``center-crop`` (scale to
     cover it, keep the middle) or ``stretch``."""

@@ -62,20 +62,24 @@ def pillow_crop(image: np.ndarray, box: tuple[int, int, int, int], size: tuple[i
     return np.array(out)
 
 
+def _png(header: bytes, pixels: bytes, end: bool = True) -> bytes:
+    """A PNG file of an IHDR ``header`` and one IDAT chunk of (compressed) ``pixels``."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels)
+            + (chunk(b"IEND", b"") if end else b""))
+
+
 def _png16(path: Path, samples: np.ndarray, color_type: int) -> None:
     """A PNG of 16-bit samples (Pillow writes 16-bit greyscale only): ``samples`` of shape
     (height, width) or (height, width, channels), ``color_type`` 0 (grey), 2 (RGB), 4 (grey
     and alpha) or 6 (RGBA)."""
     height, width = samples.shape[:2]
     rows = b"".join(b"\0" + samples[r].astype(">u2").tobytes() for r in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
-
     header = struct.pack(">IIBBBBB", width, height, 16, color_type, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    path.write_bytes(_png(header, zlib.compress(rows)))
 
 
 def write_every_mode(folder: Path, height: int = 12, width: int = 16) -> dict[Path, np.ndarray]:
@@ -130,3 +134,10 @@ def write_every_mode(folder: Path, height: int = 12, width: int = 16) -> dict[Pa
     Image.fromarray(grey.astype(np.uint16) * 257).save(folder / "png16-I16.png")
     expected[folder / "png16-I16.png"] = np.dstack([grey] * 3)
     return expected
+
+
+def write_png_header(path: Path, height: int, width: int) -> None:
+    """A PNG whose header says ``height`` x ``width`` and whose pixels are cut short: its
+    size reads as a real file's does (from the header), and nothing of it decodes."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(_png(header, zlib.compress(b"\0" * 64), end=False))
