@@ -20,10 +20,13 @@ from distributed import Client
 
 from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
+from dasktrain.datasets.tokenizers import vocabulary_of
+from dasktrain.errors import DasktrainError
 from dasktrain.pipeline.named import NamedBatch, check_pair_batches
 from dasktrain.trainer.worker.compute import BatchCompute, MetricTotals, batch_size_of
 
-__all__ = ["ForwardFunction", "compact_copy", "evaluate_on_cluster", "predict_on_cluster"]
+__all__ = ["ForwardFunction", "VocabularyError", "check_vocabulary", "compact_copy",
+           "computing", "evaluate_on_cluster", "predict_on_cluster"]
 
 ForwardFunction = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -34,21 +37,26 @@ def _ranges(dataset: Dataset, rows: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, dataset.stop)) for a in range(dataset.start, dataset.stop, step)]
 
 
+def _rows(dataset: Dataset, start: int, stop: int) -> dict[str, np.ndarray]:
+    return {n: np.asarray(dataset.zarr_array(n)[start:stop]) for n in dataset.array_names}
+
+
+def _batch(dataset: Dataset, arrays: dict[str, np.ndarray], as_dict: bool) -> Any:
+    """``arrays`` (rows of every array) as one batch shaped as the pipeline delivers it."""
+    tensors = {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in arrays.items()}
+    if as_dict:
+        return NamedBatch(tensors, dataset.roles)
+    if dataset.targets_name is None:
+        return tensors[dataset.features_name]
+    return tensors[dataset.features_name], tensors[dataset.targets_name]
+
+
 def _batches(dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool
              ) -> Any:
     """The rows [start, stop) as batches shaped as the pipeline delivers them."""
-    names = dataset.array_names
-    arrays = {n: np.asarray(dataset.zarr_array(n)[start:stop]) for n in names}
-    features, targets = dataset.features_name, dataset.targets_name
+    arrays = _rows(dataset, start, stop)
     for a in range(0, stop - start, batch_size):
-        tensors = {n: torch.from_numpy(np.ascontiguousarray(v[a:a + batch_size]))
-                   for n, v in arrays.items()}
-        if as_dict:
-            yield NamedBatch(tensors, dataset.roles)
-        elif targets is None:
-            yield tensors[features]
-        else:
-            yield tensors[features], tensors[targets]
+        yield _batch(dataset, {n: v[a:a + batch_size] for n, v in arrays.items()}, as_dict)
 
 
 def _forward(model: torch.nn.Module, forward: ForwardFunction | None, batch: Any
@@ -110,6 +118,84 @@ def check_decoded(dataset: Dataset, what: str) -> None:
             "--image-storage decoded at the model's input size (image_storage='decoded')")
 
 
+class VocabularyError(DasktrainError, ValueError):
+    """A token dataset holds ids beyond the rows of the model's embedding that reads them;
+    the message names both sizes."""
+
+
+class _Planted(Exception):
+    """Raised by the probe's hook: ``embedding`` received the planted id."""
+
+    def __init__(self, name: str, rows: int) -> None:
+        super().__init__(name, rows)
+        self.name, self.rows = name, rows
+
+
+def computing(compute: BatchCompute) -> Callable[[torch.nn.Module, Any], Any]:
+    """``run(model, batch)`` for :func:`check_vocabulary`: the loss and metrics, on CPU."""
+    return lambda model, batch: compute(model, batch, torch.device("cpu"))
+
+
+def check_vocabulary(model: torch.nn.Module, dataset: Dataset, as_dict: bool,
+                     run: Callable[[torch.nn.Module, Any], Any], what: str) -> None:
+    """Refuse a model whose ``nn.Embedding`` that reads the token ids of ``dataset`` has
+    fewer rows than the vocabulary of the tokenizer the dataset was prepared with: the
+    worker would fail with a bare ``IndexError: index out of range in self``.
+
+    Which embedding reads the tokens (rather than positions, say) is seen, not guessed:
+    where any embedding has fewer rows than the vocabulary, ``run(model, batch)`` runs a
+    copy of the model (in eval mode, without gradients) on the dataset's first row with
+    its first token set to the highest id, and a hook on each embedding watches for that
+    id. Nothing runs for a dataset that is not a token dataset, or a model whose
+    embeddings all hold the vocabulary. Any other failure of the run is left to the real
+    work to report.
+
+    Raises
+    ------
+    VocabularyError
+        Naming the embedding, its rows, the vocabulary size and ``what`` was asked.
+    """
+    found = vocabulary_of(dataset)
+    if found is None or len(dataset) == 0:
+        return
+    tokens, vocabulary = found
+
+    def too_small(of: torch.nn.Module) -> dict[str, torch.nn.Embedding]:
+        return {name: m for name, m in of.named_modules()
+                if isinstance(m, torch.nn.Embedding) and m.num_embeddings < vocabulary}
+
+    if not too_small(model) or tokens not in dataset.array_names:
+        return
+    probe = compact_copy(model).eval()
+    handles = []
+    for name, embedding in too_small(probe).items():
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+            ids = args[0] if args else None
+            if isinstance(ids, torch.Tensor) and ids.numel() \
+                    and int(ids.max()) == vocabulary - 1:
+                raise _Planted(name, module.num_embeddings)
+
+        handles.append(embedding.register_forward_pre_hook(hook))
+    arrays = _rows(dataset, dataset.start, dataset.start + 1)
+    arrays[tokens] = arrays[tokens].copy()
+    arrays[tokens].reshape(-1)[0] = vocabulary - 1  # the highest id the tokenizer makes
+    try:
+        with torch.no_grad():
+            run(probe, _batch(dataset, arrays, as_dict))
+    except _Planted as planted:
+        raise VocabularyError(
+            f"{what}: the model's embedding {planted.name!r} has {planted.rows:,} rows, fewer "
+            f"than the {vocabulary:,} ids of the tokenizer {dataset!r} was prepared with "
+            f"(token ids up to {vocabulary - 1:,}): make the embedding "
+            f"nn.Embedding({vocabulary:,}, ...), e.g. from dt.load_tokenizer(ds).vocab_size"
+            ) from None
+    except Exception:  # not ours to report: the real work will
+        return
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers own their memory: after a fit they
     are views of the trainer's flat storage, and a view pickles the whole storage with it
@@ -129,6 +215,8 @@ def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client,
     check_decoded(dataset, "prediction")
     if not as_dict:
         check_pair_batches(dataset)
+    check_vocabulary(model, dataset, as_dict,
+                     lambda probe, batch: _forward(probe, forward, batch), "prediction")
     first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
     model = compact_copy(model)  # put in eval mode and sent: not the caller's
     model.eval()
@@ -153,6 +241,7 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
     check_decoded(dataset, "evaluation")
     if not as_dict:
         check_pair_batches(dataset)
+    check_vocabulary(model, dataset, as_dict, computing(compute), "evaluation")
     shared = dask.delayed(compact_copy(model), pure=False)
     task = dask.delayed(_evaluate_block, pure=True)
     parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads)
