@@ -31,9 +31,11 @@ from dasktrain.pipeline.images import (
 from tests.common.builders import assert_user_error, run_benchmark_quick, run_cli, run_cli_batch
 from tests.common.images import (
     CLASSES,
+    float_convnet,
     picture,
     pillow_crop,
     pillow_decode,
+    pixels_as_floats,
     write_every_mode,
     write_image_folder,
     write_png_header,
@@ -390,6 +392,40 @@ def test_pipeline_and_transform_refuse_what_cannot_work(client, prepared):
     for run in (trainer.evaluate, trainer.predict):
         with pytest.raises(ValueError, match=r"\['image'\] hold encoded images.*decoded"):
             run(prepared["encoded"], client=client)
+
+
+def test_validation_sees_the_training_transforms_deterministic_part(client, prepared):
+    ds = prepared["decoded"]
+    augment = ImageTransform(RandomResizedCrop(24), RandomHorizontalFlip(), Normalize.of(ds))
+    assert augment.evaluation().steps == (Resize(24), Normalize.of(ds))
+    trainer = dt.Trainer(float_convnet, torch.nn.functional.cross_entropy, dt.optim.sgd(0.01),
+                         workers=1, batch_size=8, transform=augment, progress=False)
+    history = trainer.fit(ds, epochs=1, validation=ds, client=client)
+    validation = history.epochs[-1]["validation"]
+    assert np.isfinite(validation["loss"]) and 0 <= validation["accuracy"] <= 1
+    assert trainer.evaluate(ds, client=client, transform=augment.evaluation()) == validation
+    outputs = trainer.predict(ds, client=client).compute()
+    assert outputs.shape == (len(ds), len(CLASSES))
+    # The same transform decodes encoded images: the same files give the same metrics
+    encoded = trainer.evaluate(prepared["encoded"], client=client,
+                               transform=ImageTransform(Resize(32), *augment.evaluation().steps))
+    assert encoded == pytest.approx(validation, rel=1e-5)
+
+
+def test_validation_of_stored_pixels_says_why_it_failed_and_keeps_the_history(client,
+                                                                            prepared):
+    # A transform that is a plain function has no evaluation part: validation reads the
+    # stored uint8 pixels, which a float model refuses.
+    trainer = dt.Trainer(float_convnet, torch.nn.functional.cross_entropy, dt.optim.sgd(0.01),
+                         workers=1, batch_size=8, transform=pixels_as_floats, progress=False)
+    with pytest.raises(dt.TrainerError, match=(
+            r"evaluation of .* failed: RuntimeError: Input type \(unsigned char\) and bias "
+            r"type \(float\) .*; evaluation \(and a fit's validation\) read the images as "
+            r"stored, uint8 NCHW, without the training transform: give the Trainer "
+            r"transform=ImageTransform")) as caught:
+        trainer.fit(prepared["decoded"], epochs=1, validation=prepared["decoded"],
+                    client=client)
+    assert len(caught.value.history.loss) == 3  # the epoch's updates: 24 rows of 8
 
 
 def test_crop_regions_follow_scale_and_ratio():

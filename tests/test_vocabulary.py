@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer.driver.inference import VocabularyError, check_vocabulary, computing
+from dasktrain.trainer.driver.vocabulary import VocabularyError, check_vocabulary, computing
 from tests.common.training import TinyLM, next_token_loss
 
 

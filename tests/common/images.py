@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps
 
 CLASSES = ("cat", "dog", "eel")
@@ -141,3 +142,18 @@ def write_png_header(path: Path, height: int, width: int) -> None:
     size reads as a real file's does (from the header), and nothing of it decodes."""
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     path.write_bytes(_png(header, zlib.compress(b"\0" * 64), end=False))
+
+
+def float_convnet() -> torch.nn.Module:
+    """A small convnet of float32 images (n, 3, H, W) into 3 classes: fails on ``uint8``
+    input, as any model without a normalising first layer does."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(4, len(CLASSES)))
+
+
+def pixels_as_floats(arrays: dict[str, np.ndarray], rng: np.random.Generator
+                     ) -> dict[str, np.ndarray]:
+    """A transform that is a plain function: ``uint8`` pixels to float32 in [0, 1]."""
+    return {**arrays, "image": arrays["image"].astype(np.float32) / 255}

@@ -20,13 +20,14 @@ from distributed import Client
 
 from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
-from dasktrain.datasets.tokenizers import vocabulary_of
-from dasktrain.errors import DasktrainError
 from dasktrain.pipeline.named import NamedBatch, check_pair_batches
+from dasktrain.trainer.driver.rows import ArraysTransform, batches
+from dasktrain.trainer.driver.vocabulary import check_vocabulary, computing
+from dasktrain.trainer.errors import TrainerError
 from dasktrain.trainer.worker.compute import BatchCompute, MetricTotals, batch_size_of
 
-__all__ = ["ForwardFunction", "VocabularyError", "check_vocabulary", "compact_copy",
-           "computing", "evaluate_on_cluster", "predict_on_cluster"]
+__all__ = ["ForwardFunction", "compact_copy", "evaluate_on_cluster", "evaluation_transform",
+           "predict_on_cluster"]
 
 ForwardFunction = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -35,28 +36,6 @@ def _ranges(dataset: Dataset, rows: int) -> list[tuple[int, int]]:
     """Blocks of ``rows`` rows aligned with the dataset's chunks where possible."""
     step = max(rows, 1)
     return [(a, min(a + step, dataset.stop)) for a in range(dataset.start, dataset.stop, step)]
-
-
-def _rows(dataset: Dataset, start: int, stop: int) -> dict[str, np.ndarray]:
-    return {n: np.asarray(dataset.zarr_array(n)[start:stop]) for n in dataset.array_names}
-
-
-def _batch(dataset: Dataset, arrays: dict[str, np.ndarray], as_dict: bool) -> Any:
-    """``arrays`` (rows of every array) as one batch shaped as the pipeline delivers it."""
-    tensors = {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in arrays.items()}
-    if as_dict:
-        return NamedBatch(tensors, dataset.roles)
-    if dataset.targets_name is None:
-        return tensors[dataset.features_name]
-    return tensors[dataset.features_name], tensors[dataset.targets_name]
-
-
-def _batches(dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool
-             ) -> Any:
-    """The rows [start, stop) as batches shaped as the pipeline delivers them."""
-    arrays = _rows(dataset, start, stop)
-    for a in range(0, stop - start, batch_size):
-        yield _batch(dataset, {n: v[a:a + batch_size] for n, v in arrays.items()}, as_dict)
 
 
 def _forward(model: torch.nn.Module, forward: ForwardFunction | None, batch: Any
@@ -72,14 +51,14 @@ def _forward(model: torch.nn.Module, forward: ForwardFunction | None, batch: Any
 
 def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
                    dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool,
-                   threads: int) -> np.ndarray:
+                   threads: int, transform: ArraysTransform | None) -> np.ndarray:
     tune_allocator()
     if threads:
         torch.set_num_threads(threads)
     model.eval()
     outputs = []
     with torch.no_grad():
-        for batch in _batches(dataset, start, stop, batch_size, as_dict):
+        for batch in batches(dataset, start, stop, batch_size, as_dict, transform):
             output = _forward(model, forward, batch)
             outputs.append(output.detach().cpu().numpy())
     return np.concatenate(outputs)
@@ -87,7 +66,7 @@ def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
 
 def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
                     start: int, stop: int, batch_size: int, as_dict: bool,
-                    threads: int) -> dict[str, Any]:
+                    threads: int, transform: ArraysTransform | None) -> dict[str, Any]:
     tune_allocator()
     if threads:
         torch.set_num_threads(threads)
@@ -95,7 +74,7 @@ def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Data
     totals = MetricTotals()
     correct = counted = 0
     with torch.no_grad():
-        for batch in _batches(dataset, start, stop, batch_size, as_dict):
+        for batch in batches(dataset, start, stop, batch_size, as_dict, transform):
             loss, values, pair = compute(model, batch, torch.device("cpu"))
             n = batch_size_of(batch)
             totals.add({"loss": float(loss), **values}, n)
@@ -107,93 +86,25 @@ def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Data
     return {**totals.to_dict(), "correct": correct, "classified": counted}
 
 
-def check_decoded(dataset: Dataset, what: str) -> None:
-    """Refuse a dataset of encoded images: ``what`` (evaluation, prediction) reads the
-    arrays as stored, with no transform to decode them."""
+def evaluation_transform(transform: Any) -> ArraysTransform | None:
+    """The deterministic part of a training transform, for evaluation: its
+    ``evaluation()`` (an :class:`~dasktrain.pipeline.images.ImageTransform` has one), or
+    None where it has none (a function: nothing says which of it is augmentation)."""
+    evaluation = getattr(transform, "evaluation", None)
+    return evaluation() if callable(evaluation) else None
+
+
+def check_decoded(dataset: Dataset, what: str, transform: ArraysTransform | None) -> None:
+    """Refuse a dataset of encoded images that ``what`` (evaluation, prediction) would read
+    as stored, with no transform to decode them."""
     encoded = dataset.encoded_arrays
-    if encoded:
+    if encoded and transform is None:
         raise ValueError(
             f"{what} reads {dataset!r} as stored, and its array(s) {encoded} hold encoded "
             "images (the files' bytes), which no model takes: use a split prepared with "
-            "--image-storage decoded at the model's input size (image_storage='decoded')")
-
-
-class VocabularyError(DasktrainError, ValueError):
-    """A token dataset holds ids beyond the rows of the model's embedding that reads them;
-    the message names both sizes."""
-
-
-class _Planted(Exception):
-    """Raised by the probe's hook: ``embedding`` received the planted id."""
-
-    def __init__(self, name: str, rows: int) -> None:
-        super().__init__(name, rows)
-        self.name, self.rows = name, rows
-
-
-def computing(compute: BatchCompute) -> Callable[[torch.nn.Module, Any], Any]:
-    """``run(model, batch)`` for :func:`check_vocabulary`: the loss and metrics, on CPU."""
-    return lambda model, batch: compute(model, batch, torch.device("cpu"))
-
-
-def check_vocabulary(model: torch.nn.Module, dataset: Dataset, as_dict: bool,
-                     run: Callable[[torch.nn.Module, Any], Any], what: str) -> None:
-    """Refuse a model whose ``nn.Embedding`` that reads the token ids of ``dataset`` has
-    fewer rows than the vocabulary of the tokenizer the dataset was prepared with: the
-    worker would fail with a bare ``IndexError: index out of range in self``.
-
-    Which embedding reads the tokens (rather than positions, say) is seen, not guessed:
-    where any embedding has fewer rows than the vocabulary, ``run(model, batch)`` runs a
-    copy of the model (in eval mode, without gradients) on the dataset's first row with
-    its first token set to the highest id, and a hook on each embedding watches for that
-    id. Nothing runs for a dataset that is not a token dataset, or a model whose
-    embeddings all hold the vocabulary. Any other failure of the run is left to the real
-    work to report.
-
-    Raises
-    ------
-    VocabularyError
-        Naming the embedding, its rows, the vocabulary size and ``what`` was asked.
-    """
-    found = vocabulary_of(dataset)
-    if found is None or len(dataset) == 0:
-        return
-    tokens, vocabulary = found
-
-    def too_small(of: torch.nn.Module) -> dict[str, torch.nn.Embedding]:
-        return {name: m for name, m in of.named_modules()
-                if isinstance(m, torch.nn.Embedding) and m.num_embeddings < vocabulary}
-
-    if not too_small(model) or tokens not in dataset.array_names:
-        return
-    probe = compact_copy(model).eval()
-    handles = []
-    for name, embedding in too_small(probe).items():
-        def hook(module: torch.nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-            ids = args[0] if args else None
-            if isinstance(ids, torch.Tensor) and ids.numel() \
-                    and int(ids.max()) == vocabulary - 1:
-                raise _Planted(name, module.num_embeddings)
-
-        handles.append(embedding.register_forward_pre_hook(hook))
-    arrays = _rows(dataset, dataset.start, dataset.start + 1)
-    arrays[tokens] = arrays[tokens].copy()
-    arrays[tokens].reshape(-1)[0] = vocabulary - 1  # the highest id the tokenizer makes
-    try:
-        with torch.no_grad():
-            run(probe, _batch(dataset, arrays, as_dict))
-    except _Planted as planted:
-        raise VocabularyError(
-            f"{what}: the model's embedding {planted.name!r} has {planted.rows:,} rows, fewer "
-            f"than the {vocabulary:,} ids of the tokenizer {dataset!r} was prepared with "
-            f"(token ids up to {vocabulary - 1:,}): make the embedding "
-            f"nn.Embedding({vocabulary:,}, ...), e.g. from dt.load_tokenizer(ds).vocab_size"
-            ) from None
-    except Exception:  # not ours to report: the real work will
-        return
-    finally:
-        for handle in handles:
-            handle.remove()
+            "--image-storage decoded at the model's input size (image_storage='decoded'), "
+            "or give the Trainer transform=ImageTransform(...), whose evaluation() decodes "
+            "them")
 
 
 def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -209,15 +120,15 @@ def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client, *,
                        batch_size: int, forward: ForwardFunction | None, as_dict: bool,
-                       threads: int) -> da.Array:
-    """A lazy dask array of the model's outputs, one block per chunk of ``dataset``, whose
-    tasks run on ``client``'s cluster."""
-    check_decoded(dataset, "prediction")
+                       threads: int, transform: ArraysTransform | None = None) -> da.Array:
+    """A lazy dask array of the model's outputs, one block per chunk of ``dataset`` (each
+    after ``transform``, where one is given), whose tasks run on ``client``'s cluster."""
+    check_decoded(dataset, "prediction", transform)
     if not as_dict:
         check_pair_batches(dataset)
     check_vocabulary(model, dataset, as_dict,
                      lambda probe, batch: _forward(probe, forward, batch), "prediction")
-    first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
+    first = next(batches(dataset, dataset.start, dataset.start + 1, 1, as_dict, transform))
     model = compact_copy(model)  # put in eval mode and sent: not the caller's
     model.eval()
     with torch.no_grad():
@@ -228,25 +139,39 @@ def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client,
     shared = client.scatter(model, hash=False)
     task = dask.delayed(_predict_block, pure=True)
     blocks = [da.from_delayed(task(shared, forward, dataset, a, b, batch_size, as_dict,
-                                   threads), shape=(b - a, *shape), dtype=dtype)
+                                   threads, transform), shape=(b - a, *shape), dtype=dtype)
               for a, b in _ranges(dataset, dataset.chunk_rows)]
     return da.concatenate(blocks) if len(blocks) > 1 else blocks[0]
 
 
 def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
-                        client: Client, *, batch_size: int, as_dict: bool, threads: int
-                        ) -> dict[str, float]:
-    """Mean loss and metrics of ``model`` over ``dataset`` (and accuracy where the targets
-    are class labels), computed by tasks on the cluster's workers."""
-    check_decoded(dataset, "evaluation")
+                        client: Client, *, batch_size: int, as_dict: bool, threads: int,
+                        transform: ArraysTransform | None = None) -> dict[str, float]:
+    """Mean loss and metrics of ``model`` over ``dataset`` (each block after
+    ``transform``, where one is given), and accuracy where the targets are class labels,
+    computed by tasks on the cluster's workers.
+
+    Raises
+    ------
+    TrainerError
+        The model failed on images read as stored (no transform): the message says so and
+        how to give one.
+    """
+    check_decoded(dataset, "evaluation", transform)
     if not as_dict:
         check_pair_batches(dataset)
     check_vocabulary(model, dataset, as_dict, computing(compute), "evaluation")
     shared = dask.delayed(compact_copy(model), pure=False)
     task = dask.delayed(_evaluate_block, pure=True)
-    parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads)
+    parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads, transform)
              for a, b in _ranges(dataset, dataset.chunk_rows)]
-    results = client.compute(parts, sync=True)
+    try:
+        results = client.compute(parts, sync=True)
+    except Exception as exc:
+        if transform is None and dataset.attrs.get("images"):
+            raise TrainerError(f"evaluation of {dataset!r} failed: {type(exc).__name__}: "
+                               f"{exc}; {_STORED_IMAGES}") from exc
+        raise
     totals = MetricTotals()
     correct = classified = 0
     for part in results:
@@ -257,3 +182,11 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
     if classified and "accuracy" not in metrics:
         metrics["accuracy"] = correct / classified
     return metrics
+
+
+_STORED_IMAGES = (
+    "evaluation (and a fit's validation) read the images as stored, uint8 NCHW, without the "
+    "training transform: give the Trainer transform=ImageTransform(...), whose "
+    "deterministic part (ImageTransform.evaluation(): crops become a centred Resize, flips "
+    "are left out) evaluation then applies, or evaluate(data, transform=...), or a model "
+    "that takes uint8 pixels (Normalize.of(ds).module() as its first layer)")
