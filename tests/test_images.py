@@ -332,6 +332,16 @@ def test_a_file_that_is_not_an_image_is_named_and_nothing_is_written(client, tmp
         dt.prepare(tmp_path / "folder", out, client=client, progress=False)
 
 
+def test_a_folder_of_no_known_files_names_the_image_layout_too(tmp_path):
+    (tmp_path / "photos" / "cats").mkdir(parents=True)
+    (tmp_path / "photos" / "cats" / "a.tiff").write_bytes(b"II*\0")
+    with pytest.raises(dt.SourceError, match=(
+            r"source directory .*photos holds no files of a known kind \(.csv, .*\.txt\), "
+            r"nor class sub-folders of images \(.jpg, .jpeg, .png, .bmp, .webp: "
+            r".*photos/<class>/<image>\)")):
+        dt.prepare(tmp_path / "photos", tmp_path / "out.zarr", progress=False)
+
+
 def test_skip_bad_leaves_them_out_counted_and_named(client, tmp_path):
     bad = _bad_folder(tmp_path / "folder")
     (tmp_path / "folder" / "cat" / "notes.txt").write_text("hello")
