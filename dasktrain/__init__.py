@@ -8,6 +8,7 @@ from dasktrain._cluster import get_client
 from dasktrain.datasets import (
     Dataset,
     DatasetError,
+    OutputExistsError,
     PrepareConfig,
     SourceError,
     VerifyReport,
@@ -53,6 +54,7 @@ _LAZY = {
     "EvolutionError": "dasktrain.evolve",
     "EvolutionHistory": "dasktrain.evolve",
     "Evolver": "dasktrain.evolve",
+    "FitnessFailed": "dasktrain.evolve",
     "InvalidFitness": "dasktrain.evolve",
 }
 
@@ -85,6 +87,7 @@ __all__ = [
     "EvolutionHistory",
     "Evolver",
     "Fenced",
+    "FitnessFailed",
     "History",
     "HolderLost",
     "InvalidFitness",
@@ -94,6 +97,7 @@ __all__ = [
     "MLflowLogger",
     "ModelCheckpoint",
     "NamedBatch",
+    "OutputExistsError",
     "ParameterHolder",
     "Pipeline",
     "PipelineError",

@@ -11,7 +11,6 @@ closes when the process exits.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -251,7 +250,13 @@ def _close(cluster: LocalCluster, client: Client) -> None:
         cluster.close(timeout=10)
 
 
-atexit.register(close_embedded)
+# Closed when the main thread ends, before Python shuts down its thread pools: the
+# scheduler runs in this process and hands work to one of them (Dask's offload executor),
+# and what a client sent last (a pipeline's released work, say) must still find it
+# working. An atexit handler runs after those pools refuse work ("cannot schedule new
+# futures after shutdown", logged by the scheduler at exit); threading's own exit hooks
+# run before, last registered first, and concurrent.futures registered its one on import.
+threading._register_atexit(close_embedded)
 
 
 def start_local_cluster(n_workers: int | None = None,

@@ -2,7 +2,7 @@
 
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
-from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.errors import DatasetError, OutputExistsError, SourceError
 from dasktrain.datasets.inspect import VerifyReport, describe, verify
 from dasktrain.datasets.prepare import prepare
 from dasktrain.datasets.sources import builtin_names
@@ -10,6 +10,7 @@ from dasktrain.datasets.sources import builtin_names
 __all__ = [
     "Dataset",
     "DatasetError",
+    "OutputExistsError",
     "PrepareConfig",
     "SourceError",
     "VerifyReport",

@@ -18,17 +18,10 @@ from dasktrain.datasets.chunks import ChunkError
 from dasktrain.datasets.cleaning import cleaning_summary, constant_summary
 from dasktrain.datasets.dataset import Dataset, array_path, open_dataset
 from dasktrain.datasets.errors import DatasetError
+from dasktrain.datasets.sizes import human_bytes
 from dasktrain.datasets.stats import merge_all, summary_of
 
 __all__ = ["VerifyReport", "describe", "verify"]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def _stored_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
@@ -50,11 +43,24 @@ def _raw_bytes(ds: Dataset, name: str, z: zarr.Array) -> int:
     return round(float(stat.get("mean", 0)) * int(stat.get("count", 0)))
 
 
+#: What an encoded image is, on the images line and in its array's row.
+_ENCODED = ("encoded JPEG/PNG/BMP/WebP (the files' bytes, each image its own size), decoded "
+            "to H x W x 3 uint8 by the pipeline's ImageTransform")
+
+
+def _dtype_of(z: zarr.Array) -> str:
+    """The dtype column of an array's row: ``encoded`` for the variable-length bytes of
+    encoded images (Zarr's ``object``), else the dtype."""
+    return "encoded" if z.dtype == object else str(z.dtype)
+
+
 def _images_line(images: dict[str, Any], classes: list[str] | None) -> str:
     """``images    decoded NCHW 3x32x32 (center-crop), 3 classes: cat, dog, eel``."""
+    chosen = images.get("size_from")
     how = (f"decoded {images['layout']} {images['channels']}x"
-           f"{'x'.join(map(str, images['size']))} ({images['fit']})"
-           if images.get("storage") == "decoded" else "encoded (the files' bytes)")
+           f"{'x'.join(map(str, images['size']))} ({images['fit']}"
+           + (f"; {chosen}" if chosen and chosen != "--image-size" else "") + ")"
+           if images.get("storage") == "decoded" else _ENCODED)
     if classes:
         shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
         how += f", {len(classes):,} classes: {shown}"
@@ -100,11 +106,11 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
         codecs = ", ".join(type(c).__name__.removesuffix("Codec").lower()
                            for c in z.compressors) or "none"
         ratio = raw / stored if stored else math.inf
-        lines.append(f"  {name:<8} {ds.role_of(name):<9} {z.dtype!s:<8} shape={z.shape} "
-                     f"chunks={z.chunks} codec={codecs} {_human(raw)} -> {_human(stored)} "
-                     f"({ratio:.2f}x)")
+        lines.append(f"  {name:<8} {ds.role_of(name):<9} {_dtype_of(z):<8} shape={z.shape} "
+                     f"chunks={z.chunks} codec={codecs} {human_bytes(raw)} -> "
+                     f"{human_bytes(stored)} ({ratio:.2f}x)")
     ratio = total_raw / total_stored if total_stored else math.inf
-    lines.append(f"size      {_human(total_raw)} raw, {_human(total_stored)} stored "
+    lines.append(f"size      {human_bytes(total_raw)} raw, {human_bytes(total_stored)} stored "
                  f"(compression {ratio:.2f}x)")
     if attrs.get("images"):
         lines.append(_images_line(attrs["images"],
@@ -122,6 +128,12 @@ def describe(path: str | Dataset, *, storage_options: StorageOptions | None = No
     lines.append("normalized " + (", ".join(_normalized(attrs, k, v)
                                            for k, v in norm.items()) if norm else "no"))
     for name, stat in attrs["stats"].items():
+        if attrs["arrays"].get(name, {}).get("dtype") == "object":
+            # Statistics of encoded images are those of the files' sizes
+            lines.append(f"  {name}: file sizes mean {human_bytes(float(np.mean(stat['mean'])))}, "
+                         f"min {human_bytes(float(np.min(stat['min'])))}, "
+                         f"max {human_bytes(float(np.max(stat['max'])))}")
+            continue
         mean = np.asarray(stat["mean"]).ravel()
         std = np.asarray(stat["std"]).ravel()
         over = "all values" if stat.get("pooled") else f"avg over {mean.size}"

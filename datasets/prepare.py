@@ -34,12 +34,13 @@ import importlib.metadata
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
-from distributed import Client
+from distributed import Client, KilledWorker
 from zarr.storage import StoreLike
 
 from dasktrain._cluster import cluster_client
@@ -50,10 +51,11 @@ from dasktrain.datasets.chunks import MANIFEST_KEY, manifest_of
 from dasktrain.datasets.cleaning import warn_about_cleaning
 from dasktrain.datasets.config import PrepareConfig
 from dasktrain.datasets.dataset import Dataset, open_dataset
-from dasktrain.datasets.errors import DatasetError, SourceError
+from dasktrain.datasets.errors import DatasetError, PreparationFailed, SourceError
 from dasktrain.datasets.format import FORMAT_VERSION, chunk_lengths, chunk_rows_for
 from dasktrain.datasets.one_pass import write_direct
 from dasktrain.datasets.remote import StagedPrefix, check_output_url
+from dasktrain.datasets.sizes import human_bytes
 from dasktrain.datasets.sources import Source, SourceOptions, get_source
 from dasktrain.datasets.sources.base import source_settings
 from dasktrain.datasets.sources.named import check_specs
@@ -96,6 +98,36 @@ def _is_dataset(path: Path | str, storage_options: StorageOptions | None = None)
     except (DatasetError, OSError):
         return False
     return True
+
+
+announce: Callable[[str], None] | None = None
+"""Where the line a preparation says before it writes goes, beside the log (the CLI prints
+it)."""
+
+
+def _expected(src: Source) -> str:
+    """What the build will write, as known before it starts: ``1,797 samples, about 464.3
+    KiB before compression``, and what the source adds (images: their size and its cost)."""
+    note = getattr(src, "note", None)
+    if src.num_samples < 0:  # a table's complete rows, a corpus's tokens: counted first
+        said = "the samples are counted first"
+    else:
+        row_bytes = sum(s.sample_bytes for s in src.specs.values())
+        said = (f"{src.num_samples:,} samples, about "
+                f"{human_bytes(src.num_samples * row_bytes)} before compression")
+    return f"{said}; {note}" if note else said
+
+
+def _killed(src: Source, exc: KilledWorker) -> PreparationFailed:
+    """The error of a preparation whose workers died again and again, saying the usual
+    cause (a worker's memory) and what to change."""
+    hint = getattr(src, "memory_hint", None)
+    fix = (hint() if hint is not None else
+           "give a smaller --chunk-size (chunk_size=), or the workers more memory")
+    return PreparationFailed(
+        f"the workers preparing this dataset died while running its tasks, again and again "
+        f"(Dask gave up: {type(exc).__name__}); a worker killed for using more memory than "
+        f"it may is the usual cause: {fix}")
 
 
 def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_store: StoreLike,
@@ -202,8 +234,10 @@ def prepare(
     ------
     SourceError
         The source is missing, empty, not numeric or inconsistent.
-    FileExistsError
-        ``out`` exists and ``overwrite`` is not set.
+    OutputExistsError
+        ``out`` exists and ``overwrite`` is not set, or is no dasktrain dataset; or another
+        preparation published a dataset there while this one ran (without ``overwrite``;
+        with it, the preparation that publishes last wins). It is a ``FileExistsError``.
 
     Warns
     -----
@@ -215,8 +249,10 @@ def prepare(
     -----
     A local dataset is built in a hidden sibling of ``out`` and renamed into place at the
     end: a failed or interrupted run leaves nothing at ``out`` and never damages what was
-    there. At a URL the arrays are written under a prefix of the build's own and the group
-    metadata that makes it a dataset is written last, in one PUT (see
+    there. The rename never replaces a dataset it did not mean to (see
+    :mod:`dasktrain.datasets.atomic`). At a URL the arrays are written under a prefix of
+    the build's own and the group metadata that makes it a dataset is written last, in
+    one PUT, under a lock object that one publish at a time holds (see
     :mod:`dasktrain.datasets.remote`).
     """
     if config is not None and options:
@@ -232,7 +268,7 @@ def prepare(
     else:
         target = Path(local_path(text)).absolute()
         check_output_path(target, config.overwrite, _is_dataset)
-        staged = StagedDirectory(target)
+        staged = StagedDirectory(target, config.overwrite, _is_dataset)
     try:
         # The source checks its schema before a cluster starts: bad input fails fast.
         source_options = SourceOptions(**source_settings(config),
@@ -245,10 +281,25 @@ def prepare(
                               "holds integers or bytes (tokens, pixels, encoded images): "
                               "leave out --normalize")
         check_specs(os.fspath(source), src.specs, src.provenance, config.arrays)
+        said = f"preparing {target} from {os.fspath(source)}: {_expected(src)}"
+        logger.info("%s", said)
+        if announce is not None:
+            announce(said)
         with cluster_client(client, scheduler) as active:
-            attrs = _build(active, os.fspath(source), src, staged.open_group(),
-                           staged.stage_store(), config, progress)
+            try:
+                attrs = _build(active, os.fspath(source), src, staged.open_group(),
+                               staged.stage_store(), config, progress)
+            except KilledWorker as exc:
+                raise _killed(src, exc) from exc
         staged.publish(attrs)
+    except Exception as exc:
+        # A build at a URL that another preparation's publish retired fails in its tasks,
+        # which only see it gone: say what happened instead.
+        retired = staged.retired_error() if isinstance(staged, StagedPrefix) else None
+        staged.discard()
+        if retired is not None:
+            raise retired from exc
+        raise
     except BaseException:
         staged.discard()
         raise

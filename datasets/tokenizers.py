@@ -34,6 +34,7 @@ __all__ = [
     "get_tokenizer",
     "load_tokenizer",
     "token_dtype",
+    "vocabulary_of",
 ]
 
 #: End-of-text tokens looked for, in this order, in a ``tokenizer.json`` when none is named.
@@ -66,6 +67,16 @@ class Tokenizer(Protocol):
     def record(self) -> dict[str, Any]:
         """What identifies this tokenizer, JSON-able, for the dataset's attributes."""
         ...
+
+
+def vocabulary_of(dataset: Dataset) -> tuple[str, int] | None:
+    """``(input array, vocabulary size)`` of a token dataset, from its attributes (the
+    tokenizer it was prepared with); None for any other dataset."""
+    text = dataset.attrs.get("text") or {}
+    size = (text.get("tokenizer") or {}).get("vocab_size")
+    if size is None or text.get("input") is None:
+        return None
+    return str(text["input"]), int(size)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -17,8 +17,8 @@ places on them, checkpoints, :class:`Evolver`), ``view/`` (history and figures).
 
 from dasktrain.evolve.config import ALGORITHMS, ESConfig, GAConfig, es, ga, get_algorithm
 from dasktrain.evolve.driver.evolver import Evolver
-from dasktrain.evolve.errors import EvolutionError, InvalidFitness
+from dasktrain.evolve.errors import EvolutionError, FitnessFailed, InvalidFitness
 from dasktrain.evolve.view.history import EvolutionHistory
 
 __all__ = ["ALGORITHMS", "ESConfig", "EvolutionError", "EvolutionHistory", "Evolver",
-           "GAConfig", "InvalidFitness", "es", "ga", "get_algorithm"]
+           "FitnessFailed", "GAConfig", "InvalidFitness", "es", "ga", "get_algorithm"]

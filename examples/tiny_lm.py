@@ -13,7 +13,7 @@ below ``sysconfig.get_paths()["stdlib"]`` (``site-packages`` left out, ~30 MB). 
 
 Run::
 
-    .venv/bin/python examples/tiny_lm.py                       # ~4 minutes on 2 cores
+    .venv/bin/python examples/tiny_lm.py                       # minutes: docs/examples.md
     .venv/bin/python examples/tiny_lm.py --max-mb 0 --epochs 1  # the whole library: longer
     .venv/bin/python examples/tiny_lm.py --max-mb 0.05 --seq-len 32 --d-model 32 \\
         --layers 1 --epochs 1                                   # seconds: a smoke test

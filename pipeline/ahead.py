@@ -11,11 +11,14 @@ keeps it for the next iteration, or releases it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
+import distributed
 from distributed import Future
 
 from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
@@ -52,9 +55,18 @@ class HeadStart:
         return ((self.epoch, self.rank, self.world_size) == (epoch, rank, world_size)
                 and units[:len(self.submitted)] == [unit for unit, _ in self.submitted])
 
-    def release(self) -> int:
-        """Let go of everything submitted; returns the number of units that were held."""
+    def release(self, drain: float = 0.0) -> int:
+        """Let go of everything submitted; returns the number of units that were held.
+
+        With ``drain``, first let what was submitted finish, for up to that many seconds
+        (a head start is a few units): its tasks and the fetches receiving their results.
+        A released unit's tasks that already run on a worker run on, and a fetch may be
+        receiving one; a pipeline that closes waits for them, so that the cluster, which
+        may close next, cuts off no task and no transfer.
+        """
         units = len(self.submitted)
+        if drain:
+            _drain([future for _, future in self.submitted], self.fetched, drain)
         for fetched in self.fetched:
             fetched.cancel()
         for _, future in self.submitted:
@@ -65,6 +77,18 @@ class HeadStart:
         self.fetched.clear()
         self.windows.clear()
         return units
+
+
+def _drain(submitted: list[Submitted], fetched: list[Fetched], seconds: float) -> None:
+    """Wait up to ``seconds`` in all for units' tasks (Dask's or this process's) to finish,
+    then for the fetches already receiving them (those not started are cancelled)."""
+    deadline = time.monotonic() + seconds
+    remote = [f for f in submitted if isinstance(f, Future)]
+    with contextlib.suppress(Exception):  # timed out, or a cluster gone: nothing to wait for
+        distributed.wait(remote, timeout=seconds)
+    local = [f for f in submitted if not isinstance(f, Future)]
+    running = [f for f in fetched if not f.cancel()]
+    concurrent.futures.wait([*local, *running], timeout=max(deadline - time.monotonic(), 0))
 
 
 def submit_ahead(plan_for: Callable[[int], EpochPlan], epoch: int, submitter: Submitter,

@@ -87,6 +87,16 @@ class Feeder:
     def start(self) -> None:
         self._thread.start()
 
+    def running(self) -> bool:
+        """Whether the feeder's thread still runs (one that ended late releases its own
+        work: see :meth:`finish`)."""
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the feeder and wait up to ``timeout`` seconds for its thread to end."""
+        self._stop.set()
+        self._thread.join(timeout)
+
     # -- the consumer's side ------------------------------------------------------------
     def has_next(self) -> bool:
         """Whether a unit (or the end of the epoch) is queued for the consumer."""

@@ -61,6 +61,11 @@ class ImageOp:
     def one(self, image: torch.Tensor, drawn: Any, i: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def evaluation(self) -> ImageOp | None:
+        """The step's deterministic counterpart for evaluation (None: leave it out); a
+        step that draws nothing is its own."""
+        return self
+
 
 def _size(size: Size) -> tuple[int, int]:
     parsed = parse_image_size(size)
@@ -125,6 +130,10 @@ class RandomResizedCrop(ImageOp):
         top, left, h, w = self.box(drawn, i, image.shape[1], image.shape[2])
         return _resized(image[:, top:top + h, left:left + w], _size(self.size))
 
+    def evaluation(self) -> ImageOp:
+        """The centre of the image at the crop's size: :class:`Resize` (``center-crop``)."""
+        return Resize(self.size)
+
 
 def _resized(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """``image`` (channels, height, width) ``uint8`` resized to ``size`` with Pillow's
@@ -171,6 +180,10 @@ class RandomHorizontalFlip(ImageOp):
 
     def one(self, image: torch.Tensor, drawn: Any, i: int) -> torch.Tensor:
         return kornia.geometry.transform.hflip(image) if drawn[i] else image
+
+    def evaluation(self) -> None:
+        """Left out: images are evaluated as they are."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

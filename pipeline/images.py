@@ -86,6 +86,16 @@ class ImageTransform:
         return (f"ImageTransform({', '.join(map(repr, self.steps))}, image={self.image!r}, "
                 f"normalize_on={self.normalize_on!r})")
 
+    def evaluation(self) -> ImageTransform:
+        """The transform's deterministic part, for evaluation and validation: each step's
+        counterpart (:meth:`ImageOp.evaluation`): a random resized crop becomes a centred
+        :class:`Resize` to its size, a flip is left out, :class:`Resize` and
+        :class:`Normalize` stay. ``Trainer.evaluate`` (and a fit's validation) applies it
+        where the trainer's ``transform`` is an ``ImageTransform``."""
+        steps = [s.evaluation() for s in self.steps]
+        return ImageTransform(*[s for s in steps if s is not None], image=self.image,
+                              normalize_on="workers")
+
     def consumer_split(self) -> tuple[ImageTransform, _NormalizeBatch | None]:
         """What the workers run and what the consumer runs after (see
         :mod:`dasktrain.pipeline.finish`): a last :class:`Normalize` on the consumer."""

@@ -36,13 +36,15 @@ from dasktrain.pipeline.finish import split_transform
 from dasktrain.pipeline.named import check_pair_batches
 from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit, check_shares
 from dasktrain.pipeline.stats import PipelineStats
-from dasktrain.pipeline.submit import PLACEMENTS, Submitter, placement_kwargs, release
+from dasktrain.pipeline.submit import PLACEMENTS, Submitter, inside_task, placement_kwargs, release
 from dasktrain.pipeline.tasks import ArraysRef, Transform
 
 __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds :meth:`Pipeline.close` waits for each part of its work still running.
+_CLOSE_WAIT = 10.0
 _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
                "shuffle_blocks", "block_rows", "drop_last", "shares")
 # May differ at an epoch boundary: the next epoch is cut anew.
@@ -206,6 +208,7 @@ class Pipeline:
         self._client = client
         # The next epoch's head start, once a feeder handed it over: the consumer's alone.
         self._ahead: HeadStart | None = None
+        self._late: list[Feeder] = []  # feeders that ended after their iteration did
         self._epoch = 0
         self._position = 0  # batches of the current epoch already handed to the consumer
         # Looked up once: it runs for every batch.
@@ -309,11 +312,15 @@ class Pipeline:
         return self._client
 
     def close(self) -> None:
-        """Drop work submitted ahead (the embedded cluster, if used, stays for later
-        calls)."""
-        self._drop_ahead()
+        """Drop work submitted ahead; outside a Dask task, let it and the feeders, fetches
+        and reads end first (seconds at most): a script may close the cluster next."""
+        wait = 0.0 if inside_task() else _CLOSE_WAIT
+        for feeder in self._late:
+            feeder.stop(wait)
+        self._late.clear()
+        self._drop_ahead(drain=wait)
         if self._local is not None:
-            self._local.shutdown(wait=False, cancel_futures=True)
+            self._local.shutdown(wait=bool(wait), cancel_futures=True)  # a read takes ms
             self._local = None
 
     def __enter__(self) -> Pipeline:
@@ -357,10 +364,11 @@ class Pipeline:
             self._ahead = start_now(self.plan, self._epoch, self._submitter(),
                                     self._prefetch_rows, self.stats)
 
-    def _drop_ahead(self) -> None:
-        """Forget work submitted for an epoch that will not come next."""
+    def _drop_ahead(self, drain: float = 0.0) -> None:
+        """Forget work submitted for an epoch that will not come next (letting it finish
+        for up to ``drain`` seconds first: see :meth:`HeadStart.release`)."""
         if self._ahead is not None:
-            self.stats.add_in_flight(-self._ahead.release())
+            self.stats.add_in_flight(-self._ahead.release(drain))
             self._ahead = None
 
     def _take_ahead(self, epoch: int, units: list[Unit]) -> HeadStart | None:
@@ -478,6 +486,7 @@ class Pipeline:
                 held[1].cancel()
                 stats.add_in_flight(-1)
             head = feeder.finish(completed)
+            self._late = [f for f in (*self._late, feeder) if f.running()]  # see close()
             if head is not None:
                 if completed:
                     self._ahead = head

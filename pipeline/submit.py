@@ -24,8 +24,8 @@ from dasktrain.pipeline.tasks import (
     load_window,
 )
 
-__all__ = ["PLACEMENTS", "Submitted", "Submitter", "forget_windows", "placement_kwargs",
-           "release"]
+__all__ = ["PLACEMENTS", "Submitted", "Submitter", "forget_windows", "inside_task",
+           "placement_kwargs", "release"]
 
 PLACEMENTS = ("auto", "anywhere", "local", "consumer")
 #: A unit's work: a Dask future on the cluster, a thread's future in this process.
@@ -38,6 +38,15 @@ def release(future: Submitted) -> None:
         future.release()
     else:
         future.cancel()
+
+
+def inside_task() -> bool:
+    """Whether this thread runs a Dask task (a worker's): there nothing closes the cluster."""
+    try:
+        get_worker()
+    except ValueError:
+        return False
+    return True
 
 
 def placement_kwargs(placement: str, client: Client | None) -> dict[str, Any]:

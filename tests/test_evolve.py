@@ -16,8 +16,12 @@ from tests.common.evolution import (
     fit_sum,
     fit_sum_slowly_on,
     flat,
+    huge_negative_reward,
+    huge_reward,
     nan_reward,
+    near_float32_max,
     nudge_copies,
+    refusing_reward,
     say_hello,
     tiny_net,
 )
@@ -157,10 +161,33 @@ def test_a_loss_evolver_evaluates_on_the_cluster(client, regression):
     (say_hello, r"the reward returned str 'hello'; it must return one number for member \d "
                 "of generation 0"),
     (nan_reward, "the reward returned nan; it must return a finite number"),
+    (huge_reward, r"the reward returned 1e\+39, beyond the range of float32 \(±3\.403e\+38\) "
+                  r"in which fitness travels; scale it down for member \d of generation 0"),
+    (huge_negative_reward, r"the reward returned -1e\+39, beyond the range of float32 .* "
+                           r"for member \d of generation 0"),
 ])
 def test_a_reward_that_is_not_one_finite_number_is_named(client, reward, message):
     with pytest.raises(dt.InvalidFitness, match=message):
         _evolver(reward=reward).fit(generations=1, client=client)
+
+
+def test_fitness_near_float32s_limit_keeps_finite_statistics(client):
+    history = _evolver(reward=near_float32_max).fit(generations=2, client=client)
+    for series in (history.best, history.mean, history.worst):
+        assert all(3e38 <= value <= 3.1e38 for value in series)
+
+
+def test_a_reward_that_raises_names_its_member_and_generation(client):
+    with pytest.raises(dt.FitnessFailed, match=r"the reward of member \d of generation 0 "
+                                               r"raised ValueError: this reward refuses every "
+                                               r"model") as caught:
+        _evolver(reward=refusing_reward).fit(generations=1, client=client)
+    assert isinstance(caught.value, dt.EvolutionError)
+    assert isinstance(caught.value.error, ValueError) and caught.value.__cause__ is \
+        caught.value.error
+    notes = "\n".join(caught.value.__notes__)
+    assert "in refusing_reward" in notes and "evolution.py" in notes
+    assert caught.value.history is not None and caught.value.history.best == []
 
 
 @pytest.mark.parametrize(("options", "error", "message"), [

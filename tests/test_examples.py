@@ -24,6 +24,10 @@ def test_pipeline_digits_example_trains(client, tmp_path):
         capture_output=True, text=True, timeout=170, cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
+    # It closes in order: nothing logged as the cluster goes (the pipelines' work in flight
+    # is done before the cluster closes, and the cluster before Python's thread pools).
+    for word in ("ERROR", "Traceback"):
+        assert word not in result.stdout + result.stderr, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("epoch")]
     assert len(lines) == 2
     accuracy = float(lines[-1].split("val accuracy ")[1].split()[0])

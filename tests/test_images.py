@@ -9,14 +9,18 @@ import io
 import itertools
 from pathlib import Path
 
+import dask
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from distributed import Client, LocalCluster
 from PIL import Image
 
 import dasktrain as dt
 from dasktrain.datasets.cleaning import CleaningWarning
+from dasktrain.datasets.sources.image_sizes import ImageSizeWarning
+from dasktrain.datasets.sources.images import ImageSource
 from dasktrain.pipeline.images import (
     ImageTransform,
     Normalize,
@@ -27,10 +31,14 @@ from dasktrain.pipeline.images import (
 from tests.common.builders import assert_user_error, run_benchmark_quick, run_cli, run_cli_batch
 from tests.common.images import (
     CLASSES,
+    float_convnet,
+    picture,
     pillow_crop,
     pillow_decode,
+    pixels_as_floats,
     write_every_mode,
     write_image_folder,
+    write_png_header,
 )
 
 SIZE = (32, 32)  # stored size of the decoded dataset (the files are 40 x 48)
@@ -84,6 +92,17 @@ def test_a_class_folder_is_prepared_both_ways_with_its_class_names(client, folde
     np.testing.assert_allclose(decoded.attrs["stats"]["image"]["mean"],
                                pixels.mean(axis=(0, 2, 3)))
     assert "3 classes: cat, dog, eel" in dt.describe(decoded)
+
+
+def test_info_says_what_an_encoded_image_is_not_its_zarr_dtype(prepared):
+    text = dt.describe(prepared["encoded"])
+    assert "object" not in text
+    assert "  image    features  encoded  shape=(24,)" in text
+    assert ("images    encoded JPEG/PNG/BMP/WebP (the files' bytes, each image its own size), "
+            "decoded to H x W x 3 uint8 by the pipeline's ImageTransform") in text
+    sizes = prepared["encoded"].attrs["stats"]["image"]
+    assert f"image: file sizes mean {sizes['mean'] / 1024:.1f} KiB" in text
+    assert "images    decoded NCHW 3x32x32 (center-crop)" in dt.describe(prepared["decoded"])
 
 
 def test_decoded_rows_are_the_files_decoded_by_pillow(folder, prepared):
@@ -206,6 +225,86 @@ def test_every_image_mode_becomes_its_rgb_pixels_in_both_storages(client, tmp_pa
         np.testing.assert_array_equal(batch, want, err_msg=file.name)
 
 
+def _one_huge_first(root: Path, others: int = 20) -> Path:
+    """``root/a/`` holding a 1200 x 1200 image first, then ``others`` of 64 x 64."""
+    (root / "a").mkdir(parents=True)
+    huge = root / "a" / "000-huge.png"
+    Image.new("RGB", (1200, 1200), (90, 140, 200)).save(huge)
+    rng = np.random.default_rng(1)
+    for i in range(others):
+        Image.fromarray(picture(rng, 64, 64, i)).save(root / "a" / f"{i + 1:03d}.png")
+    return huge
+
+
+def test_the_default_size_is_the_median_of_a_sample_not_the_first_file(client, tmp_path):
+    huge = _one_huge_first(tmp_path / "folder")
+    with pytest.warns(ImageSizeWarning, match=(
+            r"1 of 21 sampled images are far from the size they are stored at, 64x64 \(the "
+            rf"median size of 21 sampled files\), and are scaled to it: .*{huge.name} "
+            r"\(1200x1200\); give --image-size")):
+        ds = dt.prepare(tmp_path / "folder", tmp_path / "out.zarr", client=client,
+                        progress=False)
+    assert ds.attrs["images"]["size"] == [64, 64]
+    assert ds.attrs["images"]["size_from"] == "the median size of 21 sampled files"
+    assert ds.attrs["arrays"]["image"]["shape"] == [21, 3, 64, 64]
+    assert "3x64x64 (center-crop; the median size of 21 sampled files)" in dt.describe(ds)
+    # The command says the size and what the dataset will take before it writes.
+    result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "cli.zarr"),
+                     "--no-progress", "--scheduler", client.scheduler.address)
+    assert result.returncode == 0, result.stderr
+    assert (f"preparing {tmp_path / 'cli.zarr'} from {tmp_path / 'folder'}: 21 samples, "
+            "about 252.2 KiB before compression; decoded at 64x64, the median size of 21 "
+            "sampled files (--image-size sets it): 12.0 KiB an image, 252.0 KiB for 21"
+            ) in result.stdout.splitlines()
+    assert result.stderr.startswith("dasktrain prepare: warning: 1 of 21 sampled images")
+
+
+def test_a_default_size_that_would_make_a_huge_dataset_is_refused(tmp_path):
+    # 36 files whose headers say 13000 x 13000: 17 GiB decoded. Refused before any work
+    for i in range(36):
+        (tmp_path / "folder" / "a").mkdir(parents=True, exist_ok=True)
+        write_png_header(tmp_path / "folder" / "a" / f"{i:02d}.png", 13000, 13000)
+    with pytest.raises(dt.SourceError, match=(
+            r"^images decoded at 13000x13000, the median size of 36 sampled files "
+            r"\(--image-size sets it\): 483.5 MiB an image, 17.0 GiB for 36, more than 16.0 "
+            r"GiB: give --image-size to choose their size \(e.g. --image-size 256, or "
+            r"--image-size 13000x13000 to keep this one\), or --image-storage encoded")):
+        dt.prepare(tmp_path / "folder", tmp_path / "out.zarr", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_large_images_make_chunks_a_task_can_hold():
+    rows = {side: ImageSource.chunk_rows_for(3 * side * side, 4 * 2**20)
+            for side in (32, 96, 224, 1200, 8000)}
+    # 512-row multiples while 512 rows stay within 256 MiB; then powers of two within it
+    assert rows == {32: 1536, 96: 512, 224: 512, 1200: 32, 8000: 1}
+
+
+@pytest.mark.slow
+def test_workers_killed_for_their_memory_are_one_line_naming_the_image_size(tmp_path):
+    (tmp_path / "folder" / "a").mkdir(parents=True)
+    for i in range(2):
+        Image.new("RGB", (64, 64), (40 * i, 90, 200)).save(tmp_path / "folder" / "a" / f"{i}.png")
+    # One worker of 300 MiB, which Dask gives up on after one death; an image of 8000 x 8000
+    # takes 183 MiB decoded, and the task holds it at least twice.
+    settings = {"distributed.worker.multiprocessing-method": "spawn",
+                "distributed.scheduler.allowed-failures": 0}
+    with dask.config.set(settings), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                         dashboard_address=None, memory_limit=300 * 2**20) as cluster, \
+            Client(cluster):
+        result = run_cli("prepare", str(tmp_path / "folder"), str(tmp_path / "out.zarr"),
+                         "--image-size", "8000", "--no-progress", "--scheduler",
+                         cluster.scheduler_address)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "dasktrain prepare: error: the workers preparing this dataset died while running "
+        "its tasks, again and again (Dask gave up: KilledWorker); a worker killed for using "
+        "more memory than it may is the usual cause: each decoded image of 8000x8000 takes "
+        "183.1 MiB (--image-size): give a smaller --image-size\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
 def _bad_folder(root: Path) -> list[Path]:
     files = write_image_folder(root, per_class=3)
     truncated = root / "dog" / "truncated.jpg"
@@ -231,6 +330,16 @@ def test_a_file_that_is_not_an_image_is_named_and_nothing_is_written(client, tmp
     (tmp_path / "folder" / "cat" / "notes.txt").write_text("hello")
     with pytest.raises(dt.SourceError, match=r"notes\.txt: not an image file"):
         dt.prepare(tmp_path / "folder", out, client=client, progress=False)
+
+
+def test_a_folder_of_no_known_files_names_the_image_layout_too(tmp_path):
+    (tmp_path / "photos" / "cats").mkdir(parents=True)
+    (tmp_path / "photos" / "cats" / "a.tiff").write_bytes(b"II*\0")
+    with pytest.raises(dt.SourceError, match=(
+            r"source directory .*photos holds no files of a known kind \(.csv, .*\.txt\), "
+            r"nor class sub-folders of images \(.jpg, .jpeg, .png, .bmp, .webp: "
+            r".*photos/<class>/<image>\)")):
+        dt.prepare(tmp_path / "photos", tmp_path / "out.zarr", progress=False)
 
 
 def test_skip_bad_leaves_them_out_counted_and_named(client, tmp_path):
@@ -293,6 +402,40 @@ def test_pipeline_and_transform_refuse_what_cannot_work(client, prepared):
     for run in (trainer.evaluate, trainer.predict):
         with pytest.raises(ValueError, match=r"\['image'\] hold encoded images.*decoded"):
             run(prepared["encoded"], client=client)
+
+
+def test_validation_sees_the_training_transforms_deterministic_part(client, prepared):
+    ds = prepared["decoded"]
+    augment = ImageTransform(RandomResizedCrop(24), RandomHorizontalFlip(), Normalize.of(ds))
+    assert augment.evaluation().steps == (Resize(24), Normalize.of(ds))
+    trainer = dt.Trainer(float_convnet, torch.nn.functional.cross_entropy, dt.optim.sgd(0.01),
+                         workers=1, batch_size=8, transform=augment, progress=False)
+    history = trainer.fit(ds, epochs=1, validation=ds, client=client)
+    validation = history.epochs[-1]["validation"]
+    assert np.isfinite(validation["loss"]) and 0 <= validation["accuracy"] <= 1
+    assert trainer.evaluate(ds, client=client, transform=augment.evaluation()) == validation
+    outputs = trainer.predict(ds, client=client).compute()
+    assert outputs.shape == (len(ds), len(CLASSES))
+    # The same transform decodes encoded images: the same files give the same metrics
+    encoded = trainer.evaluate(prepared["encoded"], client=client,
+                               transform=ImageTransform(Resize(32), *augment.evaluation().steps))
+    assert encoded == pytest.approx(validation, rel=1e-5)
+
+
+def test_validation_of_stored_pixels_says_why_it_failed_and_keeps_the_history(client,
+                                                                            prepared):
+    # A transform that is a plain function has no evaluation part: validation reads the
+    # stored uint8 pixels, which a float model refuses.
+    trainer = dt.Trainer(float_convnet, torch.nn.functional.cross_entropy, dt.optim.sgd(0.01),
+                         workers=1, batch_size=8, transform=pixels_as_floats, progress=False)
+    with pytest.raises(dt.TrainerError, match=(
+            r"evaluation of .* failed: RuntimeError: Input type \(unsigned char\) and bias "
+            r"type \(float\) .*; evaluation \(and a fit's validation\) read the images as "
+            r"stored, uint8 NCHW, without the training transform: give the Trainer "
+            r"transform=ImageTransform")) as caught:
+        trainer.fit(prepared["decoded"], epochs=1, validation=prepared["decoded"],
+                    client=client)
+    assert len(caught.value.history.loss) == 3  # the epoch's updates: 24 rows of 8
 
 
 def test_crop_regions_follow_scale_and_ratio():

@@ -7,11 +7,14 @@ through the storage options travelling with the tasks, never through the environ
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import fsspec
@@ -20,10 +23,13 @@ import pytest
 import torch
 
 import dasktrain as dt
+from dasktrain._durable import url_filesystem
+from dasktrain.datasets.publish_lock import LOCK_NAME, publish_lock
 from dasktrain.datasets.remote import BUILD_PREFIX
 from dasktrain.trainer.driver.checkpoint import load_checkpoint
 from dasktrain.trainer.driver.update_log import UpdateLog, split_kinds
 from tests.common.builders import run_cli, wait_for
+from tests.common.meanwhile import meanwhile
 from tests.common.object_storage import BUCKET, s3_server  # noqa: F401  (the s3 fixture)
 from tests.common.training import mlp, mse
 
@@ -150,6 +156,83 @@ def test_overwrite_swaps_whole_datasets_under_a_reader(client, s3):
     assert not reader.is_alive()
     assert problems == []
     assert len(s3.names("swap.zarr")) == 2  # the old build is gone
+
+
+def _source(url: str, s3) -> str:
+    return dt.open_dataset(url, storage_options=s3.options).attrs["provenance"]["source"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_a_dataset_published_meanwhile_is_kept_whole(client, s3, overwrite):
+    url = s3.url(f"meanwhile-{overwrite}.zarr")
+    options = {"client": client, "storage_options": s3.options, "progress": False,
+               "overwrite": overwrite}
+    if overwrite:
+        dt.prepare("classification", url, samples=40, width=2, **options)
+    # Without --overwrite the late one is refused by name; with it, the build of the one
+    # that published first was retired by that publish: it says so (its tasks only saw the
+    # build gone).
+    error, message = ((FileNotFoundError, "another preparation into .* published first and "
+                       "retired this build") if overwrite else
+                      (dt.OutputExistsError, f"output {url} was written by another "
+                       "preparation while this one ran; pass --overwrite"))
+    with meanwhile(lambda: dt.prepare("parabola", url, **options)) as other, \
+            pytest.raises(error, match=message):
+        dt.prepare("regression", url, samples=200, width=2, chunk_rows=50, **options)
+    assert other.ran and _source(url, s3) == "parabola"
+    assert dt.verify(url, storage_options=s3.options, client=client, progress=False).ok
+    wait_for(lambda: _idle(client), 30, "the late build's tasks to end")
+    names = s3.names(f"meanwhile-{overwrite}.zarr")
+    assert len(names) == 2 and "zarr.json" in names, names  # one build: the late one is gone
+
+
+class _Said(logging.Handler):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start, self.said = start, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(self.start):
+            self.said.set()
+
+
+def test_one_publish_at_a_time_holds_the_urls_lock(client, s3):
+    url = s3.url("locked.zarr")
+    fs, root = url_filesystem(url, s3.options)
+    log = logging.getLogger("dasktrain.datasets.publish_lock")
+    waiting = _Said("waiting for another preparation's publish")
+    log.addHandler(waiting)
+    log.setLevel(logging.INFO)
+    outcome: dict = {}
+
+    def prepare() -> None:
+        try:
+            outcome["ds"] = dt.prepare("parabola", url, client=client, progress=False,
+                                       storage_options=s3.options)
+        except BaseException as exc:  # reported by the assertions below
+            outcome["error"] = exc
+
+    try:
+        with publish_lock(fs, root, url):  # as another preparation's publish holds it
+            thread = threading.Thread(target=prepare)
+            thread.start()
+            assert waiting.said.wait(60), outcome
+            assert "zarr.json" not in s3.names("locked.zarr")  # it waits: nothing published
+        thread.join(60)
+    finally:
+        log.removeHandler(waiting)
+        log.setLevel(logging.NOTSET)
+    assert "error" not in outcome and len(outcome["ds"]) == 50
+    assert LOCK_NAME not in s3.names("locked.zarr")
+
+
+def test_a_lock_left_by_a_stopped_publish_is_taken_over(client, s3):
+    url = s3.url("stale.zarr")
+    fs, root = url_filesystem(url, s3.options)
+    left = {"owner": "a preparation killed while publishing", "since": time.time() - 600}
+    fs.pipe_file(f"{root}/{LOCK_NAME}", json.dumps(left).encode())
+    ds = dt.prepare("parabola", url, client=client, progress=False, storage_options=s3.options)
+    assert len(ds) == 50 and LOCK_NAME not in s3.names("stale.zarr")
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from distributed import Client, LocalCluster, get_task_stream
 import dasktrain as dt
 from dasktrain._cluster import worker_info
 from dasktrain.pipeline import EpochPlan
-from tests.common.data import indexed_dataset
+from tests.common.data import indexed_dataset, slowly
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,19 @@ def test_next_epoch_starts_ahead_and_is_dropped_when_another_comes(client, index
     assert pipe.stats.blocks_in_flight == 0
     np.testing.assert_array_equal(np.concatenate([first, *_ids(pipe)]), expected[1])
     pipe.close()
+
+
+def test_close_leaves_nothing_running_on_the_cluster(client, indexed):
+    # The epoch's end submits the next epoch's first units (a head start), each a third of
+    # a second of work: close() lets them finish before it releases them, so a cluster
+    # closed next cuts off no task and no transfer.
+    pipe = dt.Pipeline(indexed, batch_size=100, seed=0, prefetch=4, client=client,
+                       transform=slowly, placement="anywhere")
+    assert sum(len(y) for _, y in pipe) == len(indexed)
+    assert pipe.stats.blocks_in_flight > 0  # the head start
+    pipe.close()
+    assert pipe.stats.blocks_in_flight == 0
+    assert not any(client.processing().values()), client.processing()
 
 
 def test_an_epoch_started_before_it_is_read_yields_the_same_batches(client, indexed):

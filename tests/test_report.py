@@ -8,6 +8,7 @@ import functools
 import html.parser
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -73,6 +74,7 @@ class _Page(html.parser.HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.summary: dict[str, str] = {}
+        self.epochs: list[list[str]] = []  # the epochs table's rows, its head first
         self.images: list[str] = []
         self.links: list[str] = []
         self.events: list[str] = []
@@ -104,6 +106,8 @@ class _Page(html.parser.HTMLParser):
             self._cell = None
         elif tag == "tr" and self._table == "summary":
             self.summary[self._row[0]] = self._row[1]
+        elif tag == "tr" and self._table == "epochs":
+            self.epochs.append(self._row)
         elif tag == "table":
             self._table = None
         elif tag == "li" and self._in_events:
@@ -113,10 +117,6 @@ class _Page(html.parser.HTMLParser):
 
     def handle_data(self, data):
         self._text += data
-
-
-def _close(shown: str, value: float) -> bool:
-    return math.isclose(float(shown), value, rel_tol=1e-5, abs_tol=1e-9)
 
 
 def test_report_writes_pngs_and_one_self_contained_page(sync_history, tmp_path):
@@ -140,17 +140,31 @@ def test_report_writes_pngs_and_one_self_contained_page(sync_history, tmp_path):
     assert all(data.startswith(b"\x89PNG\r\n\x1a\n") for data in embedded)
     assert "http://" not in text and "https://" not in text
 
+    # Numbers as the command shows them: metrics to 4 significant digits, counts and rates
+    # whole with thousands separated, seconds to two decimals, the stall in per cent.
     shown = page.summary
     assert shown["mode"] == "sync" and shown["workers"] == "2" and shown["epochs"] == "2"
-    assert shown["updates"] == str(history.updates)
-    assert _close(shown["final loss"], history.loss[-1])
+    assert shown["updates"] == f"{history.updates:,}"
+    assert shown["final loss"] == f"{history.loss[-1]:.4g}"
     validation = history.epochs[-1]["validation"]
-    assert _close(shown["validation loss"], validation["loss"])
-    assert _close(shown["validation mae"], validation["mae"])
-    assert _close(shown["final training mae"], history.epochs[-1]["train"]["mae"])
-    assert _close(shown["wall time (s)"], history.wall_time)
-    assert _close(shown["samples/s"], history.samples_per_second)
+    assert shown["validation loss"] == f"{validation['loss']:.4g}"
+    assert shown["validation mae"] == f"{validation['mae']:.4g}"
+    assert shown["final training mae"] == f"{history.epochs[-1]['train']['mae']:.4g}"
+    assert shown["wall time (s)"] == f"{history.wall_time:,.2f}"
+    assert shown["samples/s"] == f"{history.samples_per_second:,.0f}"
+    assert shown["data stall, last epoch"] == f"{history.epochs[-1]['stall']:.1%}"
+    assert shown["mean staleness"] == "0.00" and shown["max staleness"] == "0"
     assert shown["refused gradients"] == str(history.refused_gradients) == "2"
+    head, *rows = page.epochs
+    assert head[:5] == ["epoch", "wall time (s)", "samples", "samples/s", "data stall"]
+    for row, record in zip(rows, history.epochs, strict=True):
+        assert row[:5] == [str(record["epoch"]), f"{record['wall_s']:,.2f}",
+                           f"{record['samples']:,}", f"{record['samples_per_s']:,.0f}",
+                           f"{record['stall']:.1%}"]
+        assert row[head.index("validation mae")] == f"{record['validation']['mae']:.4g}"
+    # No raw float anywhere: at most 4 significant digits after a decimal point.
+    cells = [*shown.values(), *(c for r in rows for c in r)]
+    assert not [c for c in cells if re.search(r"\.0*[1-9]\d{4,}", c)], cells
     assert shown["events"] == str(len(history.events))
     assert page.events == history.events
     assert any("learning rate factor set to 0.5" in e for e in page.events)

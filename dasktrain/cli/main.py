@@ -9,6 +9,7 @@ traceback and exits with status 1, so it is reported, not hidden.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import signal
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dasktrain import _stop
+from dasktrain.errors import DasktrainError
 
 __all__ = ["main"]
 
@@ -102,7 +104,8 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="images as uint8 pixels of one size (decoded, the default) or as "
                            "the files' bytes, decoded by the pipeline's transform (encoded)")
     prep.add_argument("--image-size", metavar="N|HxW",
-                      help="size of decoded images (default: the first image's)")
+                      help="size of decoded images (default: the median size of 64 files "
+                           "spread over the source, read from their headers)")
     prep.add_argument("--image-fit", choices=["center-crop", "stretch"], default="center-crop",
                       help="how an image of another size is brought to --image-size")
     prep.add_argument("--image-column", metavar="COLUMN",
@@ -334,8 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     from dasktrain import _cluster
 
-    # The embedded cluster's one line (with its dashboard) goes with the command's output.
+    # The embedded cluster's one line (with its dashboard) goes with the command's output,
+    # and so does what a preparation is about to write.
     _cluster.announce = print
+    importlib.import_module("dasktrain.datasets.prepare").announce = print
     quiet = _QuietAfterInterrupt()
     _stop.clear()
     loop_errors = logging.getLogger("tornado.application")
@@ -352,8 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dasktrain {args.command}: {_stopped_by(exc)}; nothing was written",
               file=sys.stderr)
         return _interrupt_status(exc)
-    except (ValueError, OSError) as exc:
-        # Bad input (paths, options, data: DatasetError and SourceError are ValueErrors).
+    except (ValueError, OSError, DasktrainError) as exc:
+        # Bad input (paths, options, data: DatasetError and SourceError are ValueErrors),
+        # or work the cluster could not do as asked (workers killed for their memory).
         # Anything else is a bug of ours: its traceback and exit status 1 get it reported.
         print(f"dasktrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,6 +11,7 @@ from dasktrain._cluster import cluster_client
 from dasktrain.cli.run_dir import RunDirectory
 from dasktrain.trainer.view.callbacks import Callback
 from dasktrain.trainer.view.loggers import JsonLinesLogger
+from dasktrain.trainer.view.numbers import metric
 
 if TYPE_CHECKING:
     from dasktrain.cli.train_config import TrainConfig
@@ -65,7 +66,7 @@ class _Begin(Callback):
 
 
 def _format_metrics(prefix: str, values: dict[str, Any] | None) -> list[str]:
-    return [f"{prefix}{k} {v:.4g}" for k, v in (values or {}).items()
+    return [f"{prefix}{k} {metric(v)}" for k, v in (values or {}).items()
             if isinstance(v, (int, float))]
 
 

@@ -13,6 +13,7 @@ import dask.array as da
 import numpy as np
 
 from dasktrain.datasets.errors import SourceError
+from dasktrain.datasets.image_codec import IMAGE_SUFFIXES
 
 __all__ = [
     "ArraySpec",
@@ -98,7 +99,9 @@ class SourceSettings:
     """How an image source stores its images: ``decoded`` (default; uint8 pixels of a fixed
     size, NCHW) or ``encoded`` (the files' bytes, decoded by the pipeline's transform)."""
     image_size: str | int | None = None
-    """Size of decoded images, ``N`` or ``HxW``; default: the first image's size."""
+    """Size of decoded images, ``N`` or ``HxW``; default: the median size of 64 files spread
+    over the source (read from their headers), refused where it would make a dataset of
+    more than 16 GiB."""
     image_fit: str = "center-crop"
     """How an image of another size is brought to ``image_size``: ``center-crop`` (scale to
     cover it, keep the middle) or ``stretch``."""
@@ -226,9 +229,12 @@ def suffix_of(path: Path) -> str:
         suffixes = {p.suffix.lower() for p in path.iterdir() if p.is_file() and p.suffix}
         known = suffixes & set(_SUFFIXES)
         if not known:
+            # An image folder is told by its layout (sources registered by layout); it was
+            # not one: say what it would hold too.
             raise SourceError(
                 f"source directory {path} holds no files of a known kind "
-                f"({', '.join(sorted(_SUFFIXES))})"
+                f"({', '.join(sorted(_SUFFIXES))}), nor class sub-folders of images "
+                f"({', '.join(IMAGE_SUFFIXES)}: {path}/<class>/<image>)"
             )
         if len(known) > 1:
             raise SourceError(

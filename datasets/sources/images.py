@@ -27,6 +27,7 @@ and the files left out are counted in a warning and named in the attributes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import warnings
 from typing import Any
@@ -48,6 +49,7 @@ from dasktrain.datasets.image_codec import (
     fit_image,
     parse_image_size,
 )
+from dasktrain.datasets.sizes import human_bytes
 from dasktrain.datasets.sources.base import (
     ArraySpec,
     BlockReader,
@@ -57,15 +59,17 @@ from dasktrain.datasets.sources.base import (
 )
 from dasktrain.datasets.sources.image_files import (
     FileList,
-    Listing,
     is_image_folder,
     list_folder,
     list_manifest,
     manifest_image_column,
     read_files,
 )
+from dasktrain.datasets.sources.image_sizes import check_estimate, median_size
 
 __all__ = ["STORAGES", "ImageSource"]
+
+logger = logging.getLogger(__name__)
 
 #: How images are stored: see the module docstring.
 STORAGES = ("decoded", "encoded")
@@ -76,8 +80,10 @@ _SIZE_SAMPLE = 1000
 #: Files one checking task reads (``skip_bad``), and how many of them it holds at once.
 _CHECK_FILES = 2048
 _READ_TOGETHER = 64
-#: Rows of an image chunk are a multiple of this (see ImageSource.chunk_rows_for).
+#: Rows of an image chunk are a multiple of this (see ImageSource.chunk_rows_for)...
 _CHUNK_MULTIPLE = 512
+#: ... unless that many rows would pass this: a task holds its chunk whole.
+_LARGEST_CHUNK = 256 * 2**20
 _SKIP_HINT = "remove it, or prepare with --skip-bad (skip_bad=True) to leave such files out"
 
 
@@ -187,8 +193,14 @@ class ImageSource:
         keep = [i for i, f in enumerate(listing.files) if f not in bad_files]
         if not keep:
             raise SourceError(f"image source {source} holds no image files")
+        chosen = None
         if storage == "decoded" and size is None:
-            size = self._first_size(listing, keep)
+            chosen = median_size([listing.files[i] for i in keep], options.skip_bad,
+                                 _SKIP_HINT)
+            size = chosen.size
+            logger.info("images of %s: decoded at %dx%d, %s (--image-size sets it)", source,
+                        *size, chosen.how)
+        self._size_from = chosen.how if chosen is not None else "--image-size"
         # Stored in a random order (see the module docstring): a stream of its own, apart
         # from the split assignment's.
         order = np.random.default_rng([options.seed, 7]).permutation(keep)
@@ -206,21 +218,9 @@ class ImageSource:
         self.provenance: dict[str, Any] = {
             "kind": "images", "path": source, "layout": "folder" if folder else "manifest",
             "storage": storage, "files_listed": len(listing.files)}
-
-    def _first_size(self, listing: Listing, keep: list[int]) -> tuple[int, int]:
-        """The size of the first readable image in listing order (the default size of
-        decoded images)."""
-        for i in keep[:_NAMED]:
-            data = read_files([listing.files[i]])[0]
-            if isinstance(data, BaseException):
-                continue
-            try:
-                return check_image(data, listing.files[i])
-            except ImageError as exc:
-                if not self._skip_bad:
-                    raise ImageError(f"{exc}; {_SKIP_HINT}") from None
-        raise SourceError(f"image source {self._source}: none of its first {_NAMED} files "
-                          "is a readable image; give --image-size")
+        # What the preparation says before it writes; a default size too large is refused
+        self.note = (check_estimate(self.num_samples, size, chosen) if size is not None
+                     else "encoded: the files' own bytes")
 
     def _image_spec(self) -> ArraySpec:
         if self._storage == "decoded":
@@ -233,16 +233,33 @@ class ImageSource:
 
     @staticmethod
     def chunk_rows_for(row_bytes: int, chunk_bytes: int) -> int:
-        """Rows of a chunk: about ``chunk_bytes``, in whole multiples of 512 rows.
+        """Rows of a chunk: about ``chunk_bytes``, in whole multiples of 512 rows; or, for
+        images so large that 512 of them would pass 256 MiB (and ``chunk_bytes``), the
+        largest power of two of them within that (at least one).
 
         The pipeline reads a block (a chunk by default) per task and cuts batches from it;
         a block of whole batches (512 rows are 2, 4, 8 or 16 batches of 256, 128, 64 or 32)
         goes to one task with no batch straddling two blocks. Chunks of 4 MiB of 96x96
         images would be 151 rows: most batches then need two tasks, and the pipeline
         spends about a third more CPU time per image than with 512 (benchmarks/images.py).
+        A power of two still divides those batches or is divided by them. Without it, 512
+        images of 1200x1200 made one chunk of 2.1 GiB, held whole by the task writing it.
         """
-        return max(1, round(chunk_bytes / max(row_bytes, 1) / _CHUNK_MULTIPLE)) \
-            * _CHUNK_MULTIPLE
+        row_bytes = max(row_bytes, 1)
+        largest = max(chunk_bytes, _LARGEST_CHUNK)
+        if _CHUNK_MULTIPLE * row_bytes <= largest:
+            return max(1, round(chunk_bytes / row_bytes / _CHUNK_MULTIPLE)) * _CHUNK_MULTIPLE
+        return 1 << max(0, (largest // row_bytes).bit_length() - 1)
+
+    def memory_hint(self) -> str:
+        """What a worker preparing these images holds, and what makes it less: said when
+        workers die during the preparation."""
+        if self._storage == "encoded":
+            return "encoded images are held as the files' bytes: give a smaller --chunk-size"
+        height, width = self._size
+        return (f"each decoded image of {height}x{width} takes "
+                f"{human_bytes(3 * height * width)} ({self._size_from}): give a smaller "
+                "--image-size")
 
     # -- the pass before the build (skip_bad) ------------------------------------------------
     def scan(self, client: Client, progress: bool) -> None:
@@ -308,6 +325,7 @@ class ImageSource:
             "storage": self._storage,
             "layout": "NCHW" if self._storage == "decoded" else "encoded bytes",
             "size": list(self._size) if self._size is not None else None,
+            "size_from": self._size_from if self._size is not None else None,
             "fit": self._fit if self._storage == "decoded" else None,
             "channels": 3,
             "files": self.num_samples,

@@ -56,7 +56,7 @@ from dasktrain._deadline import wait_until
 from dasktrain.evolve.driver.generation import GenerationReport, Round, Task
 from dasktrain.evolve.driver.pool import MAX_LAG, WorkerPool, lost_contact
 from dasktrain.evolve.driver.shared import Shared, SharedObjects
-from dasktrain.evolve.errors import EvolutionError
+from dasktrain.evolve.errors import EvolutionError, FitnessFailed
 from dasktrain.evolve.shaping import encode_ranks
 from dasktrain.evolve.spec import RunSpec, Snapshot
 from dasktrain.evolve.wire import MISS, chunk_members, decode_result, encode_record
@@ -376,6 +376,8 @@ class Coordinator:
         if isinstance(error, KilledWorker):
             return EvolutionError(f"the workers evaluating {members} died, again and again "
                                   f"(Dask gave up: {error})")
+        if isinstance(error, FitnessFailed):
+            error.__cause__ = error.error  # Dask's transport of a task's error drops it
         return error.with_traceback(future.traceback())
 
     def _cancel(self, pending: dict[Future, Task]) -> None:

@@ -183,6 +183,19 @@ class Evolver:
             Functions ``fn(evolver, record)`` called after every generation.
         storage_options
             Passed to fsspec for a ``checkpoint`` or ``resume`` at a URL.
+
+        Raises
+        ------
+        InvalidFitness
+            A reward or loss returned anything but one finite number within float32's
+            range; the message names the member and the generation.
+        FitnessFailed
+            A reward or loss raised; the message names the member, the generation and the
+            error, which is its ``error`` and ``__cause__``.
+        EvolutionError
+            The run cannot go on (workers lost again and again, the cluster gone); the
+            message names the last checkpoint. Every error ``fit`` raises carries the
+            generations done as ``history``.
         """
         return fit_evolver(self, data, generations, client, checkpoint, resume,
                            list(callbacks), storage_options)

@@ -27,7 +27,7 @@ from dasktrain.evolve.driver.checkpoint import check_resumable, load_evolution, 
 from dasktrain.evolve.driver.coordinator import Coordinator
 from dasktrain.evolve.driver.generation import GenerationReport
 from dasktrain.evolve.driver.settings import default_members_per_task, run_settings
-from dasktrain.evolve.errors import EvolutionError, InvalidFitness
+from dasktrain.evolve.errors import EvolutionError, FitnessFailed, InvalidFitness
 from dasktrain.evolve.model import load_parameters
 from dasktrain.evolve.shaping import ranks_of
 from dasktrain.evolve.spec import RunSpec
@@ -162,8 +162,8 @@ def fit_evolver(host: EvolveHost, data: Dataset | Pipeline | str | os.PathLike |
                              started)
     except EvolutionError as exc:
         exc.history = history
-        if isinstance(exc, InvalidFitness):
-            raise
+        if isinstance(exc, (InvalidFitness, FitnessFailed)):
+            raise  # the member's own failure: the fix is in the reward, not a resume
         # Where to go on from, said once, here: the coordinator does not know.
         wrapped = EvolutionError(f"{exc}; {_resume_hint(host)}")
         wrapped.history = history

@@ -22,8 +22,11 @@ from dasktrain.evolve.errors import InvalidFitness
 from dasktrain.evolve.worker.data import BatchReader, GenerationBatches
 from dasktrain.trainer.worker.compute import BatchCompute, batch_size_of
 
-__all__ = ["Fitness", "LossFitness", "RewardFitness", "RewardFunction", "check_value",
-           "takes_seed"]
+__all__ = ["FITNESS_MAX", "Fitness", "LossFitness", "RewardFitness", "RewardFunction",
+           "check_value", "takes_seed"]
+
+#: The largest magnitude of a fitness value: float32's, in which results travel.
+FITNESS_MAX = float(np.finfo(np.float32).max)
 
 RewardFunction = Callable[..., float]
 """``reward(model, seed) -> float`` (or ``reward(model)``): higher is better."""
@@ -58,8 +61,8 @@ def takes_seed(reward: Callable) -> bool:
 
 
 def check_value(raw: Any, what: str) -> float:
-    """``raw`` as a float if it is one finite number, else :class:`InvalidFitness` saying
-    what it is (``what`` names the member and generation)."""
+    """``raw`` as a float if it is one finite number within float32's range, else
+    :class:`InvalidFitness` saying what it is (``what`` names the reward or the loss)."""
     value = raw
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -75,6 +78,11 @@ def check_value(raw: Any, what: str) -> float:
     if not math.isfinite(value):
         raise InvalidFitness(f"{what} returned {value}; it must return a finite number "
                              "(a smaller sigma keeps perturbed models from diverging)")
+    if abs(value) > FITNESS_MAX:
+        # Fitness travels as float32 (see dasktrain.evolve.wire): beyond its range it
+        # would arrive as an infinity.
+        raise InvalidFitness(f"{what} returned {value:.6g}, beyond the range of float32 "
+                             f"(±{FITNESS_MAX:.4g}) in which fitness travels; scale it down")
     return value
 
 

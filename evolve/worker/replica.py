@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import traceback
 
 import numpy as np
 import torch
 from distributed.protocol import pickle
 
-from dasktrain.evolve.errors import InvalidFitness
+from dasktrain.evolve.errors import FitnessFailed, InvalidFitness
 from dasktrain.evolve.model import made_with_seed
 from dasktrain.evolve.spec import RunSpec, Snapshot
 from dasktrain.evolve.wire import Record
@@ -86,11 +87,22 @@ class Replica:
                 except InvalidFitness as exc:
                     raise InvalidFitness(f"{exc.args[0]} for member {index} of generation "
                                          f"{generation}") from None
+                except Exception as exc:  # the user's reward or loss (or model) raised
+                    raise _failed(exc, spec.fitness.label, index, generation) from None
         return values
 
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
+
+
+def _failed(error: Exception, label: str, index: int, generation: int) -> FitnessFailed:
+    """The error that names the member whose ``label`` (reward or loss) raised ``error``,
+    carrying it and, as a note, its traceback here (which pickling would drop)."""
+    failed = FitnessFailed(f"the {label} of member {index} of generation {generation} "
+                           f"raised {type(error).__name__}: {error}", error)
+    failed.add_note("".join(traceback.format_exception(error)).rstrip())
+    return failed
 
 
 _REPLICAS: collections.OrderedDict[str, Replica] = collections.OrderedDict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,3 +20,10 @@ def indexed_dataset(client, directory: Path, rows: int, width: int = 3,
     return dt.prepare(directory / "x.npy", directory / "indexed.zarr", client=client,
                       target=str(directory / "y.npy"), chunk_rows=chunk_rows, split=split,
                       progress=False)
+
+
+def slowly(arrays: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A transform whose units take a while to compute (a third of a second each): work
+    that is still running when a consumer stops."""
+    time.sleep(0.3)
+    return arrays

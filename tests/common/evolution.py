@@ -62,6 +62,25 @@ def nan_reward(model: torch.nn.Module) -> float:
     return float("nan")
 
 
+def huge_reward(model: torch.nn.Module) -> float:
+    """A finite reward beyond float32's range, in which fitness travels."""
+    return 1e39
+
+
+def huge_negative_reward(model: torch.nn.Module) -> float:
+    """A finite reward below float32's lowest value."""
+    return -1e39
+
+
+def near_float32_max(model: torch.nn.Module, seed: int) -> float:
+    """A reward within float32's range whose sum over a population is not."""
+    return 3e38 + 1e37 * np.random.default_rng(seed).random()
+
+
+def refusing_reward(model: torch.nn.Module) -> float:
+    raise ValueError("this reward refuses every model")
+
+
 def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 

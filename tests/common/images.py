@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps
 
 CLASSES = ("cat", "dog", "eel")
@@ -62,20 +63,24 @@ def pillow_crop(image: np.ndarray, box: tuple[int, int, int, int], size: tuple[i
     return np.array(out)
 
 
+def _png(header: bytes, pixels: bytes, end: bool = True) -> bytes:
+    """A PNG file of an IHDR ``header`` and one IDAT chunk of (compressed) ``pixels``."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels)
+            + (chunk(b"IEND", b"") if end else b""))
+
+
 def _png16(path: Path, samples: np.ndarray, color_type: int) -> None:
     """A PNG of 16-bit samples (Pillow writes 16-bit greyscale only): ``samples`` of shape
     (height, width) or (height, width, channels), ``color_type`` 0 (grey), 2 (RGB), 4 (grey
     and alpha) or 6 (RGBA)."""
     height, width = samples.shape[:2]
     rows = b"".join(b"\0" + samples[r].astype(">u2").tobytes() for r in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
-
     header = struct.pack(">IIBBBBB", width, height, 16, color_type, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    path.write_bytes(_png(header, zlib.compress(rows)))
 
 
 def write_every_mode(folder: Path, height: int = 12, width: int = 16) -> dict[Path, np.ndarray]:
@@ -130,3 +135,25 @@ def write_every_mode(folder: Path, height: int = 12, width: int = 16) -> dict[Pa
     Image.fromarray(grey.astype(np.uint16) * 257).save(folder / "png16-I16.png")
     expected[folder / "png16-I16.png"] = np.dstack([grey] * 3)
     return expected
+
+
+def write_png_header(path: Path, height: int, width: int) -> None:
+    """A PNG whose header says ``height`` x ``width`` and whose pixels are cut short: its
+    size reads as a real file's does (from the header), and nothing of it decodes."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(_png(header, zlib.compress(b"\0" * 64), end=False))
+
+
+def float_convnet() -> torch.nn.Module:
+    """A small convnet of float32 images (n, 3, H, W) into 3 classes: fails on ``uint8``
+    input, as any model without a normalising first layer does."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(4, len(CLASSES)))
+
+
+def pixels_as_floats(arrays: dict[str, np.ndarray], rng: np.random.Generator
+                     ) -> dict[str, np.ndarray]:
+    """A transform that is a plain function: ``uint8`` pixels to float32 in [0, 1]."""
+    return {**arrays, "image": arrays["image"].astype(np.float32) / 255}

@@ -137,3 +137,23 @@ def assert_sync_equals_one_process(client, dataset, config) -> None:
                                atol=1e-6)
     assert (expected - flat_parameters(mlp())).abs().max() > 1e-2  # it did move
 
+
+
+class TinyLM(torch.nn.Module):
+    """Token and position embeddings, then a linear head over 257 ids (the byte
+    tokenizer's): ``tokens`` rows of token embedding, ``seq_len`` of positions."""
+
+    def __init__(self, tokens: int = 257, seq_len: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(tokens, width)
+        self.position = torch.nn.Embedding(seq_len, width)
+        self.head = torch.nn.Linear(width, 257)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.long()
+        return self.head(self.embed(x) + self.position(torch.arange(x.shape[1])))
+
+
+def next_token_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]),
+                                             target.long().reshape(-1))

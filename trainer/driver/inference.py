@@ -21,9 +21,13 @@ from distributed import Client
 from dasktrain._malloc import tune_allocator
 from dasktrain.datasets import Dataset
 from dasktrain.pipeline.named import NamedBatch, check_pair_batches
+from dasktrain.trainer.driver.rows import ArraysTransform, batches
+from dasktrain.trainer.driver.vocabulary import check_vocabulary, computing
+from dasktrain.trainer.errors import TrainerError
 from dasktrain.trainer.worker.compute import BatchCompute, MetricTotals, batch_size_of
 
-__all__ = ["ForwardFunction", "compact_copy", "evaluate_on_cluster", "predict_on_cluster"]
+__all__ = ["ForwardFunction", "compact_copy", "evaluate_on_cluster", "evaluation_transform",
+           "predict_on_cluster"]
 
 ForwardFunction = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -32,23 +36,6 @@ def _ranges(dataset: Dataset, rows: int) -> list[tuple[int, int]]:
     """Blocks of ``rows`` rows aligned with the dataset's chunks where possible."""
     step = max(rows, 1)
     return [(a, min(a + step, dataset.stop)) for a in range(dataset.start, dataset.stop, step)]
-
-
-def _batches(dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool
-             ) -> Any:
-    """The rows [start, stop) as batches shaped as the pipeline delivers them."""
-    names = dataset.array_names
-    arrays = {n: np.asarray(dataset.zarr_array(n)[start:stop]) for n in names}
-    features, targets = dataset.features_name, dataset.targets_name
-    for a in range(0, stop - start, batch_size):
-        tensors = {n: torch.from_numpy(np.ascontiguousarray(v[a:a + batch_size]))
-                   for n, v in arrays.items()}
-        if as_dict:
-            yield NamedBatch(tensors, dataset.roles)
-        elif targets is None:
-            yield tensors[features]
-        else:
-            yield tensors[features], tensors[targets]
 
 
 def _forward(model: torch.nn.Module, forward: ForwardFunction | None, batch: Any
@@ -64,14 +51,14 @@ def _forward(model: torch.nn.Module, forward: ForwardFunction | None, batch: Any
 
 def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
                    dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool,
-                   threads: int) -> np.ndarray:
+                   threads: int, transform: ArraysTransform | None) -> np.ndarray:
     tune_allocator()
     if threads:
         torch.set_num_threads(threads)
     model.eval()
     outputs = []
     with torch.no_grad():
-        for batch in _batches(dataset, start, stop, batch_size, as_dict):
+        for batch in batches(dataset, start, stop, batch_size, as_dict, transform):
             output = _forward(model, forward, batch)
             outputs.append(output.detach().cpu().numpy())
     return np.concatenate(outputs)
@@ -79,7 +66,7 @@ def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
 
 def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
                     start: int, stop: int, batch_size: int, as_dict: bool,
-                    threads: int) -> dict[str, Any]:
+                    threads: int, transform: ArraysTransform | None) -> dict[str, Any]:
     tune_allocator()
     if threads:
         torch.set_num_threads(threads)
@@ -87,7 +74,7 @@ def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Data
     totals = MetricTotals()
     correct = counted = 0
     with torch.no_grad():
-        for batch in _batches(dataset, start, stop, batch_size, as_dict):
+        for batch in batches(dataset, start, stop, batch_size, as_dict, transform):
             loss, values, pair = compute(model, batch, torch.device("cpu"))
             n = batch_size_of(batch)
             totals.add({"loss": float(loss), **values}, n)
@@ -99,15 +86,25 @@ def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Data
     return {**totals.to_dict(), "correct": correct, "classified": counted}
 
 
-def check_decoded(dataset: Dataset, what: str) -> None:
-    """Refuse a dataset of encoded images: ``what`` (evaluation, prediction) reads the
-    arrays as stored, with no transform to decode them."""
+def evaluation_transform(transform: Any) -> ArraysTransform | None:
+    """The deterministic part of a training transform, for evaluation: its
+    ``evaluation()`` (an :class:`~dasktrain.pipeline.images.ImageTransform` has one), or
+    None where it has none (a function: nothing says which of it is augmentation)."""
+    evaluation = getattr(transform, "evaluation", None)
+    return evaluation() if callable(evaluation) else None
+
+
+def check_decoded(dataset: Dataset, what: str, transform: ArraysTransform | None) -> None:
+    """Refuse a dataset of encoded images that ``what`` (evaluation, prediction) would read
+    as stored, with no transform to decode them."""
     encoded = dataset.encoded_arrays
-    if encoded:
+    if encoded and transform is None:
         raise ValueError(
             f"{what} reads {dataset!r} as stored, and its array(s) {encoded} hold encoded "
             "images (the files' bytes), which no model takes: use a split prepared with "
-            "--image-storage decoded at the model's input size (image_storage='decoded')")
+            "--image-storage decoded at the model's input size (image_storage='decoded'), "
+            "or give the Trainer transform=ImageTransform(...), whose evaluation() decodes "
+            "them")
 
 
 def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -123,13 +120,15 @@ def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client, *,
                        batch_size: int, forward: ForwardFunction | None, as_dict: bool,
-                       threads: int) -> da.Array:
-    """A lazy dask array of the model's outputs, one block per chunk of ``dataset``, whose
-    tasks run on ``client``'s cluster."""
-    check_decoded(dataset, "prediction")
+                       threads: int, transform: ArraysTransform | None = None) -> da.Array:
+    """A lazy dask array of the model's outputs, one block per chunk of ``dataset`` (each
+    after ``transform``, where one is given), whose tasks run on ``client``'s cluster."""
+    check_decoded(dataset, "prediction", transform)
     if not as_dict:
         check_pair_batches(dataset)
-    first = next(_batches(dataset, dataset.start, dataset.start + 1, 1, as_dict))
+    check_vocabulary(model, dataset, as_dict,
+                     lambda probe, batch: _forward(probe, forward, batch), "prediction")
+    first = next(batches(dataset, dataset.start, dataset.start + 1, 1, as_dict, transform))
     model = compact_copy(model)  # put in eval mode and sent: not the caller's
     model.eval()
     with torch.no_grad():
@@ -140,24 +139,39 @@ def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client,
     shared = client.scatter(model, hash=False)
     task = dask.delayed(_predict_block, pure=True)
     blocks = [da.from_delayed(task(shared, forward, dataset, a, b, batch_size, as_dict,
-                                   threads), shape=(b - a, *shape), dtype=dtype)
+                                   threads, transform), shape=(b - a, *shape), dtype=dtype)
               for a, b in _ranges(dataset, dataset.chunk_rows)]
     return da.concatenate(blocks) if len(blocks) > 1 else blocks[0]
 
 
 def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
-                        client: Client, *, batch_size: int, as_dict: bool, threads: int
-                        ) -> dict[str, float]:
-    """Mean loss and metrics of ``model`` over ``dataset`` (and accuracy where the targets
-    are class labels), computed by tasks on the cluster's workers."""
-    check_decoded(dataset, "evaluation")
+                        client: Client, *, batch_size: int, as_dict: bool, threads: int,
+                        transform: ArraysTransform | None = None) -> dict[str, float]:
+    """Mean loss and metrics of ``model`` over ``dataset`` (each block after
+    ``transform``, where one is given), and accuracy where the targets are class labels,
+    computed by tasks on the cluster's workers.
+
+    Raises
+    ------
+    TrainerError
+        The model failed on images read as stored (no transform): the message says so and
+        how to give one.
+    """
+    check_decoded(dataset, "evaluation", transform)
     if not as_dict:
         check_pair_batches(dataset)
+    check_vocabulary(model, dataset, as_dict, computing(compute), "evaluation")
     shared = dask.delayed(compact_copy(model), pure=False)
     task = dask.delayed(_evaluate_block, pure=True)
-    parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads)
+    parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads, transform)
              for a, b in _ranges(dataset, dataset.chunk_rows)]
-    results = client.compute(parts, sync=True)
+    try:
+        results = client.compute(parts, sync=True)
+    except Exception as exc:
+        if transform is None and dataset.attrs.get("images"):
+            raise TrainerError(f"evaluation of {dataset!r} failed: {type(exc).__name__}: "
+                               f"{exc}; {_STORED_IMAGES}") from exc
+        raise
     totals = MetricTotals()
     correct = classified = 0
     for part in results:
@@ -168,3 +182,11 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
     if classified and "accuracy" not in metrics:
         metrics["accuracy"] = correct / classified
     return metrics
+
+
+_STORED_IMAGES = (
+    "evaluation (and a fit's validation) read the images as stored, uint8 NCHW, without the "
+    "training transform: give the Trainer transform=ImageTransform(...), whose "
+    "deterministic part (ImageTransform.evaluation(): crops become a centred Resize, flips "
+    "are left out) evaluation then applies, or evaluate(data, transform=...), or a model "
+    "that takes uint8 pixels (Normalize.of(ds).module() as its first layer)")

@@ -27,6 +27,7 @@ from dasktrain.trainer.driver.fitting import fit_trainer
 from dasktrain.trainer.driver.inference import (
     ForwardFunction,
     evaluate_on_cluster,
+    evaluation_transform,
     predict_on_cluster,
 )
 from dasktrain.trainer.driver.persistence import read_trainer, save_trainer
@@ -343,36 +344,48 @@ class Trainer:
 
     # -- evaluation and persistence ----------------------------------------------------
     def evaluate(self, data: Dataset | str | os.PathLike, *, batch_size: int = 1024,
-                 client: Client | None = None) -> dict[str, float]:
+                 client: Client | None = None, transform: Callable | None = None
+                 ) -> dict[str, float]:
         """Mean loss and metrics of :attr:`model` over ``data`` (and accuracy where the
         targets are class labels), computed by tasks on the cluster's workers, one per
-        chunk of rows."""
+        chunk of rows. A fit's ``validation`` is evaluated this way after every epoch.
+
+        ``transform(arrays, rng) -> arrays`` is applied to the rows before the model; by
+        default the deterministic part of the trainer's ``transform`` where it has one
+        (``transform.evaluation()``: an ``ImageTransform``'s crops become a centred
+        ``Resize``, its flips are left out), else none: the rows as stored."""
         check_loss_given(self.compute)
         dataset = data if isinstance(data, Dataset) else open_dataset(data)
         with cluster_client(client) as c:
             return evaluate_on_cluster(self.model, self.compute, dataset, c,
                                        batch_size=batch_size,
                                        as_dict=self.pipeline_options["as_dict"],
-                                       threads=self.torch_threads)
+                                       threads=self.torch_threads,
+                                       transform=self._evaluation_transform(transform))
 
     def predict(self, data: Dataset | str | os.PathLike, *, batch_size: int = 1024,
-                forward: ForwardFunction | None = None, client: Client | None = None
-                ) -> da.Array:
+                forward: ForwardFunction | None = None, client: Client | None = None,
+                transform: Callable | None = None) -> da.Array:
         """The outputs of :attr:`model` on every row of ``data``, as a lazy dask array (one
         task per chunk of rows, run on the cluster when computed).
 
         ``forward(model, batch) -> output`` replaces ``model(x)`` (with ``as_dict=True``,
         ``model(**batch.inputs)``: the features arrays by name) where a model needs more.
-        ``client`` (default: as for :meth:`fit`) is the cluster the model is sent to now,
-        once, and the tasks run on: compute the array with that client (``.compute()``
-        does, when it is the default).
+        ``transform`` is as for :meth:`evaluate`. ``client`` (default: as for :meth:`fit`)
+        is the cluster the model is sent to now, once, and the tasks run on: compute the
+        array with that client (``.compute()`` does, when it is the default).
         """
         dataset = data if isinstance(data, Dataset) else open_dataset(data)
         with cluster_client(client) as c:
             return predict_on_cluster(self.model, dataset, c,
                                       batch_size=batch_size, forward=forward,
                                       as_dict=self.pipeline_options["as_dict"],
-                                      threads=self.torch_threads)
+                                      threads=self.torch_threads,
+                                      transform=self._evaluation_transform(transform))
+
+    def _evaluation_transform(self, given: Callable | None) -> Callable | None:
+        return given if given is not None else \
+            evaluation_transform(self.pipeline_options["transform"])
 
     def save(self, path: str | os.PathLike, *,
              storage_options: StorageOptions | None = None) -> str:

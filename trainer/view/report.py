@@ -11,12 +11,13 @@ from __future__ import annotations
 import base64
 import datetime
 import html
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from dasktrain.trainer.driver.files import write_atomically
+from dasktrain.trainer.view import numbers
+from dasktrain.trainer.view.numbers import Shown
 from dasktrain.trainer.view.plots import FIGURES, event_versions, metric_names, png_bytes
 from dasktrain.trainer.view.run_record import RunRecord
 
@@ -25,45 +26,32 @@ __all__ = ["PAGE", "summary_rows", "write_report"]
 PAGE = "index.html"
 
 
-def format_number(value: Any) -> str:
-    """How the page shows a number: integers whole, floats to 6 significant digits."""
-    if value is None:
-        return "\N{EN DASH}"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return f"{value:.6g}" if math.isfinite(value) else str(value)
-    return str(value)
-
-
-def summary_rows(history: RunRecord) -> list[tuple[str, Any]]:
-    """The summary table's rows, (label, value), in page order."""
+def summary_rows(history: RunRecord) -> list[tuple[str, str]]:
+    """The summary table's rows, (label, the value as shown), in page order."""
     summary = history.summary()
     last = history.epochs[-1] if history.epochs else {}
-    rows: list[tuple[str, Any]] = [
-        ("mode", summary["mode"] or "\N{EN DASH}"),
-        ("workers", summary["workers"]),
-        ("epochs", len(history.epochs)),
-        ("updates", summary["updates"]),
-        ("final loss", summary["final_loss"]),
+    rows: list[tuple[str, Any, Shown]] = [
+        ("mode", summary["mode"] or "\N{EN DASH}", str),
+        ("workers", summary["workers"], numbers.count),
+        ("epochs", len(history.epochs), numbers.count),
+        ("updates", summary["updates"], numbers.count),
+        ("final loss", summary["final_loss"], numbers.metric),
     ]
-    rows += [(f"final training {name}", value)
+    rows += [(f"final training {name}", value, numbers.metric)
              for name, value in (last.get("train") or {}).items() if name != "loss"]
-    rows += [(f"validation {name}", value)
+    rows += [(f"validation {name}", value, numbers.metric)
              for name, value in (last.get("validation") or {}).items()]
     rows += [
-        ("wall time (s)", summary["wall_time_s"]),
-        ("samples/s", summary["samples_per_s"]),
-        ("mean staleness", summary["mean_staleness"]),
-        ("max staleness", summary["max_staleness"]),
-        ("data stall, last epoch", summary["data_stall"]),
-        ("dropped gradients", summary["dropped_gradients"]),
-        ("refused gradients", summary["refused_gradients"]),
-        ("events", summary["events"]),
+        ("wall time (s)", summary["wall_time_s"], numbers.seconds),
+        ("samples/s", summary["samples_per_s"], numbers.rate),
+        ("mean staleness", summary["mean_staleness"], numbers.shown(".2f")),
+        ("max staleness", summary["max_staleness"], numbers.count),
+        ("data stall, last epoch", summary["data_stall"], numbers.share),
+        ("dropped gradients", summary["dropped_gradients"], numbers.count),
+        ("refused gradients", summary["refused_gradients"], numbers.count),
+        ("events", summary["events"], numbers.count),
     ]
-    return rows
+    return [(label, show(value)) for label, value, show in rows]
 
 
 def write_report(history: RunRecord, path: str | os.PathLike) -> Path:
@@ -93,9 +81,8 @@ def _page(history: RunRecord, figures: list[tuple[str, str, bytes]]) -> str:
              f"<h1>{html.escape(title)}</h1>",
              f'<p class="made">Report written {html.escape(made)}.</p>',
              '<h2>Summary</h2><table class="summary" id="summary">']
-    for label, value in summary_rows(history):
-        parts.append(f"<tr><th>{html.escape(label)}</th>"
-                     f"<td>{html.escape(format_number(value))}</td></tr>")
+    for label, text in summary_rows(history):
+        parts.append(f"<tr><th>{html.escape(label)}</th><td>{html.escape(text)}</td></tr>")
     parts.append("</table>")
     parts.append(_epochs_table(history))
     parts.append("<h2>Figures</h2>")
@@ -121,6 +108,8 @@ def _epochs_table(history: RunRecord) -> str:
                   if any(n in (r.get("validation") or {}) for r in history.epochs)]
     head = (["epoch", "wall time (s)", "samples", "samples/s", "data stall"]
             + [f"training {n}" for n in train] + [f"validation {n}" for n in validation])
+    shows = ([numbers.count, numbers.seconds, numbers.count, numbers.rate, numbers.share]
+             + [numbers.metric] * (len(train) + len(validation)))
     rows = ["<h2>Epochs</h2><table class=\"epochs\" id=\"epochs\"><tr>"
             + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
     for r in history.epochs:
@@ -128,8 +117,8 @@ def _epochs_table(history: RunRecord) -> str:
                  r.get("stall")]
         cells += [(r.get("train") or {}).get(n) for n in train]
         cells += [(r.get("validation") or {}).get(n) for n in validation]
-        rows.append("<tr>" + "".join(f"<td>{html.escape(format_number(c))}</td>"
-                                     for c in cells) + "</tr>")
+        rows.append("<tr>" + "".join(f"<td>{html.escape(show(c))}</td>"
+                                     for show, c in zip(shows, cells, strict=True)) + "</tr>")
     rows.append("</table>")
     return "\n".join(rows)
 
