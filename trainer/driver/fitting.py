@@ -37,6 +37,7 @@ from dasktrain.trainer.driver.settings import (
     resolve_assignment,
     saved_settings,
 )
+from dasktrain.trainer.driver.vocabulary import check_vocabulary, computing
 from dasktrain.trainer.errors import TrainingDiverged
 from dasktrain.trainer.holder.config import HolderConfig
 from dasktrain.trainer.modes import mode_class
@@ -110,6 +111,10 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
         raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
     check_loss_given(trainer.compute)
     dataset, options = _resolve(trainer, data)
+    # Token ids beyond the model's embedding: refused by name here, not by a worker's
+    # bare IndexError.
+    check_vocabulary(trainer.model, dataset, options["as_dict"], computing(trainer.compute),
+                     "fit")
     if not options["as_dict"]:
         check_pair_batches(dataset)  # here, not in each worker's pipeline: before any task
     callbacks = as_callbacks(callbacks)
