@@ -180,7 +180,11 @@ def test_a_worker_killed_mid_epoch_rejoins_and_every_batch_counts_once(trio, row
         functools.partial(dying_spread, holder=holder, killed=str(killed), epoch=1),
         register_tally(), mode=mode, workers=2, batch_size=BATCH, holder_worker=holder,
         progress=False, **MODES[mode])
-    history = trainer.fit(rows, epochs=3, client=trio, callbacks=[marks])
+    try:
+        history = trainer.fit(rows, epochs=3, client=trio, callbacks=[marks])
+    except dt.TrainerError as error:  # what the holder saw says why
+        raise AssertionError("\n".join([str(error), *(error.history.events
+                                                     if error.history else [])])) from error
 
     victim = killed_rank(killed)
     assert victim is not None  # the process really died mid-epoch

@@ -20,7 +20,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -28,16 +28,14 @@ import torch
 from distributed import get_client
 
 from dasktrain.pipeline import Pipeline
-from dasktrain.pipeline.errors import PipelineError
-from dasktrain.pipeline.plan import run_pieces
 from dasktrain.trainer import faults
-from dasktrain.trainer.errors import Fenced, TrainerError
 from dasktrain.trainer.exchange.buckets import GradientReadiness, reply_order
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import ShardedHandle
 from dasktrain.trainer.exchange.streaming import OutgoingPush
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.modes import mode_class, worker_step_class
+from dasktrain.trainer.worker.batches import claim, next_item, stride
 from dasktrain.trainer.worker.compute import LossScale, MetricTotals, batch_size_of
 from dasktrain.trainer.worker.config import WorkerConfig
 from dasktrain.trainer.worker.gate import ForwardGate
@@ -186,7 +184,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
         # which are done (see dasktrain.trainer.holder.ledger).
         start, steps, last_batch = 0, None, pipe.plan().num_batches - 1
         items: Generator[tuple[int, Any], None, None] = pipe.claiming(
-            functools.partial(_claim, handle, worker, epoch, run_ends, config.timeout),
+            functools.partial(claim, handle, worker, epoch, run_ends, config.timeout),
             ahead=CLAIMS_AHEAD)
     else:
         plan = pipe.plan()
@@ -198,7 +196,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
         state = pipe.state_dict()
         state["position"] = min(start, mine)
         pipe.load_state_dict(state)
-        items = _stride(iter(pipe), start, mine, steps)
+        items = stride(iter(pipe), start, mine, steps)
     compute = wait = 0.0
     samples = in_buckets = nonfinite = 0
     totals = MetricTotals()
@@ -206,7 +204,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
     readiness = _readiness(strategy, handle, flat, scale)
     gate = _gate(replica)
 
-    item = _next(items)
+    item = next_item(items)
     step = start
     retired = False
     first_step_at = time.time() if item is not None else None  # wall clock: see epoch_records
@@ -262,7 +260,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
             # A push begun after a fall back to the actor goes whole (see begin_push).
             in_buckets += isinstance(outgoing, OutgoingPush)
         elif push is None:  # a local step: nothing to exchange yet
-            item = _next(items)
+            item = next_item(items)
             continue
         elif asked is not None and not settle():  # the first push of an epoch computed ahead
             return None
@@ -271,7 +269,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
                                  (epoch, mark))
         faults.reached("push", worker=worker, epoch=epoch, batch=mark,
                        last=mark == last_batch if claimed else step == steps)
-        item = _next(items)  # overlaps the exchange
+        item = next_item(items)  # overlaps the exchange
         params, version = handle.wait(future, f"worker {worker}'s update at step {step - 1}")
         strategy.load(params)
         _tell(handle, worker, taken_warnings())
@@ -316,56 +314,6 @@ def _shares(config: WorkerConfig, handle: Handle, info: dict[str, Any] | None, e
     shares = info.get("shares") if info is not None else handle.request(
         "epoch_shares", epoch, world, what=f"the shares of epoch {epoch}")
     return tuple(shares) if shares is not None and len(shares) == world else None
-
-
-def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
-            ) -> Generator[tuple[int, Any], None, None]:
-    """A static rank's steps ``start..steps``: ``(position after it, batch)``, the batch
-    None for the steps of a lock-step epoch in which this rank has none left."""
-    for step in range(start, steps):
-        yield step + 1, (next(batches) if step < mine else None)
-    for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
-        pass
-
-
-def _next(items: Iterator[Any]) -> Any:
-    """The next item of the epoch, or None at its end; a claim the holder refused (this
-    worker's incarnation is over) is raised as itself, not as the pipeline's error."""
-    try:
-        return next(items, None)
-    except PipelineError as exc:
-        if isinstance(exc.__cause__, Fenced):
-            raise exc.__cause__ from None
-        raise
-
-
-def _claim(handle: Handle, worker: int, epoch: int, run_ends: set[int], timeout: float,
-           stop: threading.Event) -> range | None:
-    """The next run of global batches ``worker`` claims from the holder (on the pipeline's
-    feeder thread), its last batch added to ``run_ends``; None once the epoch has no more
-    work for it. Nothing free for ``timeout`` seconds while the epoch is not done (others
-    hold the rest and neither push it nor die) is an error naming the worker."""
-    since = time.monotonic()
-    attempt = 0
-    while not stop.is_set() and not retiring():  # a retiring worker claims no more
-        future = handle.member_call("claim", epoch)
-        attempt += 1
-        faults.reached("claim", worker=worker, epoch=epoch, attempt=attempt)
-        run = handle.wait(future, f"work for worker {worker}")
-        if run is None:
-            return None
-        if run:
-            claimed = range(run[0], run[1])
-            pieces = run_pieces(claimed, run[2] if len(run) > 2 else None)
-            run_ends.update(part.stop - 1 for part in pieces)
-            return claimed
-        # []: nothing free now, but what others hold may come back (a worker dies): ask again
-        if time.monotonic() - since > timeout:
-            raise TrainerError(f"worker {worker} found no work to claim in epoch {epoch} for "
-                               f"{timeout:.0f}s although the epoch is not done: the workers "
-                               f"holding the rest neither pushed it nor left "
-                               f"(timeout={timeout:g})")
-    return None
 
 
 def _readiness(strategy: WorkerStep, handle: Handle, flat: FlatModel,
