@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory() as scratch, \
             LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
-                         host="127.0.0.1", dashboard_address=NO_DASHBOARD) as cluster, \
+                         host="127.0.0.1", **NO_DASHBOARD) as cluster, \
             Client(cluster) as client:
         folder = Path(scratch)
         data = _indexed(client, folder)

@@ -340,3 +340,33 @@ def test_waits_that_time_out_leave_nothing_behind():
             await holder.close()
 
     assert asyncio.run(scenario()) == (0, 0)
+
+
+def test_an_elastic_epoch_waiting_for_workers_begins_when_one_joins_and_none_is_skipped():
+    """An elastic run's next epoch waits for its least workers (one died): the driver,
+    going on, queues the epoch after it too. The join of a new worker begins the waiting
+    epoch, not the later one, and that one follows in its turn."""
+
+    async def scenario():
+        holder = ParameterHolder(HolderConfig(
+            model=functools.partial(zeros, 2), optimizer=dt.optim.sgd(1.0), workers=3,
+            min_workers=2, elastic=True, mode="async", assignment="dynamic", batch_size=1))
+        try:
+            await holder.begin_epoch(0, True, (1, [0]), 2)
+            await _joined(holder, 2)
+            await holder.drop(1, "its Dask worker is gone")
+            run = await holder.claim(0, 1, 0)
+            await holder.push(0, 1, 0, _grad(), 1, 0.5, (0, run[0]))
+            await holder.queue_epoch(1, (1, [0]))
+            waiting = asyncio.ensure_future(holder.next_epoch(
+                0, 1, 0, None, 10.0, {"epoch": 0, "worker": 0, "steps": 1}))
+            await _until(lambda: holder._epochs.short_of_workers, "epoch 1 waits")
+            await holder.queue_epoch(2, (1, [0]))  # the driver is ahead
+            info = await holder.join(2, None, holder.model_layout)
+            first = await asyncio.wait_for(waiting, 10)
+            return info, first
+        finally:
+            await holder.close()
+
+    info, first = asyncio.run(scenario())
+    assert info["epoch"] == 1 and first["epoch"] == 1

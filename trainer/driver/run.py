@@ -111,6 +111,7 @@ class FitRun:
         self.member_states: dict[int, str] = {}  # each worker's, as the holder sees it
         self.work_left: int | None = None  # batches of the epoch not done (dynamic)
         self.epoch = 0  # the epoch the driver runs (its boundary not yet saved)
+        self.holder_epoch = 0  # the holder's (it may be in the next already)
         self.epoch_state = "idle"  # the holder's epoch machine's, or "short" of workers
         self.applied_samples: int | None = None  # what the holder applied in the epoch
         self._boundary_version = 0  # the version at the last epoch boundary taken
@@ -352,7 +353,7 @@ class FitRun:
                 future.release()
                 self.call("drop", w, f"its Dask worker {self._places.placed[w]} left the "
                                      "cluster")
-        if self.work_left == 0 and self.epoch >= last:
+        if self.work_left == 0 and self.holder_epoch >= last:
             return  # nothing left to hand out in the fit
         for w, address in self._places.gained(set(by_worker), self.member_addresses,
                                               workers).items():
@@ -436,6 +437,7 @@ class FitRun:
         self.history.claims.extend(claims)
         self.history.fenced_calls = int(progress.get("fenced", 0))
         self.epoch_state = progress.get("epoch_state", "running")
+        self.holder_epoch = int(progress["epoch"])
         self.shares = {int(w): int(n) for w, n in progress["shares"].items()}
         self.member_addresses = {int(w): a for w, a in progress["addresses"].items() if a}
         self.member_states = {int(w): s for w, s in progress["members"].items()}

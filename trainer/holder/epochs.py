@@ -86,7 +86,7 @@ class EpochMachine:
         self.complete = -1  # the last epoch found complete
         self.keep: str | None = None
         self.ended: str | None = None
-        self.queued: Queued | None = None
+        self.queued: dict[int, Queued] = {}  # by epoch: each begins after the one before
         self.finished: set[int] = set()  # workers that left the current epoch
         self.reports: dict[int, dict[int, dict[str, Any]]] = {}
         self.boundaries: dict[int, dict[str, Any]] = {}
@@ -105,15 +105,16 @@ class EpochMachine:
         self.changed()
 
     def queue(self, queued: Queued) -> None:
-        """``queued`` begins once the epoch before it is complete (at :meth:`advance`)."""
+        """``queued`` begins once the epoch before it is complete (at :meth:`advance`); a
+        driver ahead of an epoch that waits for workers queues the next one beside it."""
         if self.state == "ended":
             return
-        self.queued = queued
+        self.queued[queued.epoch] = queued
 
     def end(self, reason: str) -> None:
         """The fit is over: workers asking for another epoch are told ``reason``."""
         self.ended = reason
-        self.queued = None
+        self.queued.clear()
         self.move("ended", reason)
 
     def work_done(self) -> bool:
@@ -166,8 +167,8 @@ class EpochMachine:
             task.add_done_callback(self._tasks.discard)
 
     def _begin_queued(self) -> None:
-        queued = self.queued
-        if queued is None or (queued.epoch != self.complete + 1 and self.state != "idle"):
+        queued = self.queued.get(self.complete + 1)
+        if queued is None:
             return
         if self.elastic and queued.present is None:
             alive = len(self.roster.alive())
@@ -175,7 +176,7 @@ class EpochMachine:
             if self.short_of_workers:
                 self.changed()
                 return
-        self.queued = None
+        del self.queued[queued.epoch]
         self.begin(queued)
 
     def begin(self, queued: Queued) -> None:
