@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"{len(result['changes'])} changes, {result['wall']:.1f} s"
                       + (f", FAILED: {result['error'][:160]}" if result["error"] else ""),
                       file=sys.stderr, flush=True)
+                if result["error"] and result["history"] is not None:  # what happened
+                    for event in result["history"].events[-40:]:
+                        print(f"    {event}", file=sys.stderr, flush=True)
     _report(results, args)
 
 

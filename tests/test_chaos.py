@@ -176,3 +176,4 @@ def _fit_through(local: LocalCluster, client: Client, rows: Any, tmp_path: Path,
             mode == "sync" and "worker 2 rejoined" in events), events
     else:
         assert "worker 3 joined" in events, events
+        assert "4 trainer worker(s) (was 3)" in events, events  # from the next epoch on

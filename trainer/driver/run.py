@@ -378,19 +378,20 @@ class FitRun:
     def _collect(self, future: Future, worker: int, give_up: str = "drop"
                  ) -> list[dict[str, Any]]:
         try:
-            # Done: the report is there to fetch, unless the Dask worker holding it was
-            # retired meanwhile (an elastic run); the holder has its work on record.
-            report = future.result(timeout=_GATHER if self.grows else None)
+            # Done: the report is there to fetch, unless the Dask worker holding it left
+            # meanwhile (retired, or killed): Dask would then run the whole task again to
+            # recompute it. The holder has its work on record: it is let go instead.
+            report = future.result(timeout=_GATHER)
         except TimeoutError:
             self.client.cancel(future)
-            self.history.events.append(f"worker {worker}: its report was lost with its "
-                                       "Dask worker")
+            self.add_events([f"worker {worker}: its task's answer was lost with its Dask "
+                             "worker"])
             return []
         except (FutureCancelledError, Exception) as exc:
             if type(exc).__name__ == "KilledWorker":
                 # Its process died more often than Dask retries; the others carry on, and
                 # the barrier must not wait for it any longer.
-                self.history.events.append(f"worker {worker} given up: {exc}")
+                self.add_events([f"worker {worker} given up: {exc}"])
                 self.call(give_up, worker, "its task was given up (KilledWorker)")
                 return []
             failure = WorkerFailure(exc, "")  # Dask's own (cancelled, lost): no traceback

@@ -33,7 +33,7 @@ from dasktrain.trainer.holder.claims import ClaimDesk
 from dasktrain.trainer.holder.config import HolderConfig
 from dasktrain.trainer.holder.doors import Doors
 from dasktrain.trainer.holder.early import EARLY_VALUES
-from dasktrain.trainer.holder.epochs import EpochMachine, Queued
+from dasktrain.trainer.holder.epochs import EpochMachine, Queued, world_changed
 from dasktrain.trainer.holder.host import ModeHost, initial_state
 from dasktrain.trainer.holder.intake import Intake
 from dasktrain.trainer.holder.ledger import WorkLedger
@@ -173,9 +173,12 @@ class ParameterHolder:
         await self._epochs.advance()
 
     def _began(self, queued: Queued, members: list[int]) -> None:
-        self._host.workers = len(members)  # the modes count this epoch's workers
+        was, self._host.workers = self._host.workers, len(members)  # what the modes count
         self._host.loop = asyncio.get_running_loop()
         self._claims.changed()
+        if self.config.elastic and queued.present is None and was != len(members):
+            self._host.record_event(world_changed(queued.epoch, was, len(members),
+                                                  self.config))
 
     async def _snapshot(self, keep: str) -> dict[str, Any]:
         return await self._host.serially(self._host.state_dict if keep == "state" else

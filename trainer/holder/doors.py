@@ -80,8 +80,9 @@ class Doors:
                                f"{address} (incarnation {incarnation})")
         channel = (None if address is not None and address == self.address
                    else await self.direct.contact(worker, incarnation))
-        await self._advance()  # a queued epoch may have waited for one more worker
-        if elsewhere:
+        # A queued epoch may have waited for one more worker: this one may be in it now.
+        await self._advance()
+        if roster.state(worker) == "waiting":
             return {"wait": self.epochs.epoch, "incarnation": incarnation, "channel": channel}
         return {**await self.welcome(worker, address), "channel": channel}
 

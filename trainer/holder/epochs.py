@@ -42,7 +42,7 @@ from typing import Any
 
 from dasktrain.trainer.holder.roster import Roster
 
-__all__ = ["STATES", "EpochMachine", "Queued"]
+__all__ = ["STATES", "EpochMachine", "Queued", "world_changed"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,3 +273,12 @@ class EpochMachine:
         if self.short_of_workers:
             return "cluster"
         return "driver"
+
+
+def world_changed(epoch: int, was: int, now: int, config: Any) -> str:
+    """The History's word on an elastic epoch that began with another number of workers
+    (``config``: the holder's, for how work is shared out)."""
+    how = ("each claims work as it goes" if config.assignment == "dynamic" else
+           f"a step averages their {now} batches ({now * (config.batch_size or 0)} samples)")
+    return (f"epoch {epoch}: {now} trainer worker(s) (was {was}); {how}; the learning rate "
+            "follows its schedule")
