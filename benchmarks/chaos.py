@@ -11,7 +11,9 @@ arrives divided by the round's average: there the samples the holder applied per
 compared with the rows instead.) A trainer worker's batch costs 10 ms (20 ms beside the
 holder, so that where work is claimed the others take most of it).
 
-Faults: in each epoch from the second on, one, drawn at random (seeded) among:
+Faults: in each epoch from the second on, one, drawn at random (seeded) among the list
+below; rounds of a fit per mode go on until ``--faults`` have happened (a planned kill may
+find no worker at its point, a planned change no room on the cluster):
 
 * a trainer worker's process (not the holder's) SIGKILLed with a claim of work on its way,
   with its n-th push of the epoch on its way, with the push of the epoch's last batch on
@@ -29,8 +31,8 @@ the driver saw the holder stop counting on it (the event that drops or supersede
 seen at the driver's next poll, so up to 0.5 s late). Goals: 0 rows applied 0 or 2+ times,
 0 hangs, every wait on a dead worker <= 15 s.
 
-Run: ``.venv/bin/python benchmarks/chaos.py`` (``--faults 200``, about 15 minutes on 2
-cores; ``--quick``: 20 faults, a few minutes).
+Run: ``.venv/bin/python benchmarks/chaos.py`` (``--faults 200``, about 8 minutes on 2
+cores; ``--quick``: 20 faults, about a minute and a half).
 """
 
 from __future__ import annotations
@@ -141,14 +143,15 @@ class Kills(WorkerPlugin):
         seen[(where["epoch"], kind)] += 1
         if seen[(where["epoch"], kind)] < nth:
             return
-        draft = Path(f"{marker}.{os.getpid()}")
+        # A process's threads (its feeder's claims, its pushes) may reach points at once.
+        draft = Path(f"{marker}.{os.getpid()}.{threading.get_ident()}")
         draft.write_text(f"{where['worker']} {time.time()!r}")
         try:
             os.link(draft, marker)
         except FileExistsError:
             return
         finally:
-            draft.unlink()
+            draft.unlink(missing_ok=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def teardown(self, worker: Any) -> None:
@@ -289,16 +292,28 @@ def main(argv: list[str] | None = None) -> None:
                             "20 faults over a few short fits")
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
-    per_fit = args.epochs - 1
-    fits_per_mode = max(1, math.ceil(args.faults / (per_fit * len(MODES))))
-    results = []
+    results: list[dict[str, Any]] = []
+    try:
+        _run_fits(args, rng, results)
+    except KeyError as exc:
+        # The cluster's close can trip over a worker it saw removed twice (SpecCluster's
+        # status watch); the fits and their report are done by then.
+        print(f"(closing the cluster: KeyError {exc})", file=sys.stderr)
+
+
+def _run_fits(args: argparse.Namespace, rng: random.Random,
+              results: list[dict[str, Any]]) -> None:
+    """Rounds of a fit per mode until ``args.faults`` faults happened (a planned kill may
+    find no worker at its point, a planned change no room on the cluster)."""
+    planned_rounds = max(1, math.ceil(args.faults / ((args.epochs - 1) * len(MODES))))
     with tempfile.TemporaryDirectory() as scratch, \
             LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
                          host="127.0.0.1", **NO_DASHBOARD) as cluster, \
             Client(cluster) as client:
         folder = Path(scratch)
         data = _indexed(client, folder)
-        for n in range(fits_per_mode):
+        n = 0
+        while _faults(results) < args.faults and n < 2 * planned_rounds:
             for mode in MODES:
                 run = folder / f"{mode}-{n}"
                 run.mkdir()
@@ -311,7 +326,12 @@ def main(argv: list[str] | None = None) -> None:
                 if result["error"] and result["history"] is not None:  # what happened
                     for event in result["history"].events[-40:]:
                         print(f"    {event}", file=sys.stderr, flush=True)
-    _report(results, args)
+            n += 1
+        _report(results, args)  # before the cluster closes: its close may raise
+
+
+def _faults(results: list[dict[str, Any]]) -> int:
+    return sum(len(r["killed"]) + len(r["changes"]) for r in results)
 
 
 def _indexed(client: Client, folder: Path) -> dt.Dataset:
@@ -327,7 +347,7 @@ def _indexed(client: Client, folder: Path) -> dt.Dataset:
 def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     completed = [r for r in results if r["error"] is None]
     survived = sum(len(r["killed"]) + len(r["changes"]) for r in completed)
-    happened = sum(len(r["killed"]) + len(r["changes"]) for r in results)
+    happened = _faults(results)
     applied: Counter = Counter()
     for r in completed:
         if r["mode"] != "average":

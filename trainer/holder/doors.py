@@ -123,11 +123,14 @@ class Doors:
     async def deactivate(self, worker: int, state: str, event: str | None) -> None:
         """The one way out: ``worker``'s incarnation holds nothing from now on (what it
         claimed goes back to the pool), the mode and the epoch machine are told."""
-        back = self.roster.deactivate(worker, state)
+        roster = self.roster
+        where = (f" (on {roster.address(worker) or 'an unnamed host'}, incarnation "
+                 f"{roster.incarnation(worker)})")  # the same worker id may run elsewhere
+        back = roster.deactivate(worker, state)
         self.balance.forget(worker)
         self.intake.arriving.pop(worker, None)
         if event is not None:
-            self.host.record_event(event)
+            self.host.record_event(event + where)
         if back:
             self.host.record_event(f"worker {worker}'s {back} claimed batch(es) went back "
                                    "to the pool")
