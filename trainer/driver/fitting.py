@@ -235,7 +235,7 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         values, holder_state = run.boundary(epoch)
         trainer._load(values)
         record = epoch_record(epoch, reports, ended - epoch_started, ends,
-                              applied=run.applied_samples)
+                              applied=run.applied_samples, applied_loss=run.applied_loss)
         epoch_started = ended
         ends = epoch_ends(reports)
         if run.worker_config.assignment == "dynamic":

@@ -114,6 +114,7 @@ class FitRun:
         self.holder_epoch = 0  # the holder's (it may be in the next already)
         self.epoch_state = "idle"  # the holder's epoch machine's, or "short" of workers
         self.applied_samples: int | None = None  # what the holder applied in the epoch
+        self.applied_loss: float | None = None  # their mean loss
         self._boundary_version = 0  # the version at the last epoch boundary taken
         workers = worker_info(client)
         if not workers:
@@ -245,6 +246,7 @@ class FitRun:
         # Taken at the epoch's end: the holder may be in the next epoch already.
         self.shares = {int(w): int(n) for w, n in end["shares"].items()}
         self.applied_samples = end.get("samples")
+        self.applied_loss = end.get("loss")
         return end["reports"]
 
     def _start_fit(self, epoch: int, fresh: bool, last: int) -> None:

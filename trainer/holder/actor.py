@@ -191,7 +191,8 @@ class ParameterHolder:
                 epoch, wait, lambda: self._error is not None or self._closed):
             return None
         return {"reports": self._epochs.take_reports(epoch),
-                **self._epochs.outcomes.get(epoch, {"shares": {}, "samples": None})}
+                **self._epochs.outcomes.get(epoch, {"shares": {}, "samples": None,
+                                                         "loss": None})}
 
     async def boundary(self, epoch: int) -> dict[str, Any]:
         """The snapshot taken when ``epoch`` was complete (given once)."""

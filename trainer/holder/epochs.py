@@ -92,6 +92,7 @@ class EpochMachine:
         self.boundaries: dict[int, dict[str, Any]] = {}
         self.outcomes: dict[int, dict[str, Any]] = {}  # by epoch: shares, samples applied
         self.applied_samples = 0  # samples the current epoch's updates applied
+        self.applied_loss = 0.0  # and the sum of their losses (each a batch's mean x rows)
         self.short_of_workers = False  # a queued epoch waits for the least workers
         self._settling = False
         self._waiters: set[asyncio.Future[None]] = set()
@@ -153,7 +154,9 @@ class EpochMachine:
             if boundary is not None:
                 self.boundaries[epoch] = boundary
             self.outcomes = {epoch: {"shares": {} if ledger is None else ledger.shares(),
-                                     "samples": self.applied_samples}}
+                                     "samples": self.applied_samples,
+                                     "loss": (self.applied_loss / self.applied_samples
+                                              if self.applied_samples else None)}}
             self.move("boundary", f"epoch {epoch} is complete")
         if self.state in ("idle", "boundary"):
             self._begin_queued()
@@ -187,7 +190,7 @@ class EpochMachine:
             self.start_version = self._version()
         self.epoch, self.keep = queued.epoch, queued.keep
         self.finished = set()
-        self.applied_samples = 0
+        self.applied_samples, self.applied_loss = 0, 0.0
         members = self.roster.begin_epoch(queued.present, self.elastic)
         ledger = self.roster.ledger
         if ledger is not None:

@@ -253,6 +253,7 @@ class ModeHost:
         loss = sum(c.loss * c.count for c in used) / total
         self.guard.applied(loss, self.arith.updates)
         self.epochs.applied_samples += total
+        self.epochs.applied_loss += loss * total
         self.records.update(version=self.version, loss=loss, samples=total,
                             contributors=len(used))
 
