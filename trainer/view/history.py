@@ -31,7 +31,10 @@ class History:
     it was computed on), ``staleness_worker``, ``scale`` (learning-rate factor),
     ``compensated`` (delay compensation) and ``dropped`` (not applied); fields a mode
     declares (``ssp``'s ``clock_lead``) are in ``extra`` and read as attributes too.
-    Per epoch: a dict in ``epochs`` with wall time, samples/s, data-stall fraction, the
+    Per epoch: a dict in ``epochs`` with the samples the holder's updates applied (a
+    worker's that died or left included) and their mean loss (``train["loss"]``; the
+    other training metrics are over the reports of the workers that finished it,
+    ``per_worker``), wall time, samples/s, data-stall fraction, the
     workers' mean time waiting for the exchange (``exchange_s``), how they reached the
     holder (``exchange_via``: counts of ``local``, ``direct``, ``actor``) and validation
     metrics, and, where work is claimed on demand, ``batches_per_worker`` (the share of
