@@ -87,12 +87,12 @@ def _exchange_task(holder, worker: int, size: int, steps: int, warmup: int,
     times = []
     for step in range(warmup + steps):
         t0 = time.perf_counter()
-        future = handle.push(worker, version, flat.payload(), 1, 0.0, (0, step + 1))
+        future = handle.push(version, flat.payload(), 1, 0.0, (0, step + 1))
         params, version = handle.wait(future, "push")
         flat.load(params)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-    handle.request("leave", worker)
+    handle.member_request("leave")
     via = handle.via if handle.transport is None else f"{handle.via}/{handle.transport}"
     handle.close()
     return {"median_s": statistics.median(times), "where": via}

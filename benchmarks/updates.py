@@ -72,12 +72,12 @@ def _push_task(holder, worker: int, seconds: float, compute: bool) -> dict:
         if compute:
             flat.zero_grad()
             torch.nn.functional.mse_loss(flat.model(x), y).backward()
-        future = handle.push(worker, version, flat.payload(), BATCH, 0.0, (0, pushes + 1))
+        future = handle.push(version, flat.payload(), BATCH, 0.0, (0, pushes + 1))
         params, version = handle.wait(future, "push")
         flat.load(params)
         pushes += 1
     elapsed = time.perf_counter() - start
-    handle.request("leave", worker)
+    handle.member_request("leave")
     via = handle.via
     handle.close()
     return {"pushes": pushes, "elapsed": elapsed, "via": via}

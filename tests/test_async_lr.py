@@ -34,7 +34,7 @@ def _holder(optimizer: dt.optim.OptimizerConfig, workers: int, batch_size: int |
 async def _started(holder: ParameterHolder) -> ParameterHolder:
     """Every worker expected in epoch 0 and joined (so every one is live)."""
     await holder.begin_epoch(0)
-    for w in range(holder.workers):
+    for w in range(holder.config.workers):
         await holder.join(w, None, holder.layout)
     return holder
 
@@ -63,8 +63,8 @@ def test_an_async_step_moves_by_its_share_of_a_global_batch_exactly():
 
     async def scenario():
         holder = await _started(_holder(dt.optim.sgd(0.5), workers=2, batch_size=16))
-        first, _ = await holder.push(0, 0, g0, 8, 0.1, (0, 1))
-        second, _ = await holder.push(1, 0, g1, 16, 0.1, (0, 1))  # staleness 1
+        first, _ = await holder.push(0, 1, 0, g0, 8, 0.1, (0, 1))
+        second, _ = await holder.push(1, 1, 0, g1, 16, 0.1, (0, 1))  # staleness 1
         await holder.close()
         return first, second
 
@@ -81,8 +81,8 @@ def test_soft_applies_s_of_n_gradients_at_s_over_n_of_the_rate():
     async def scenario():
         holder = await _started(_holder(dt.optim.sgd(0.75), workers=3, batch_size=4,
                                         mode="soft", features=2, wait_for=2))
-        (a, _), _ = await asyncio.gather(holder.push(0, 0, ga, 4, 0.1, (0, 1)),
-                                         holder.push(1, 0, gb, 4, 0.1, (0, 1)))
+        (a, _), _ = await asyncio.gather(holder.push(0, 1, 0, ga, 4, 0.1, (0, 1)),
+                                         holder.push(1, 1, 0, gb, 4, 0.1, (0, 1)))
         await holder.close()
         return a
 
@@ -96,8 +96,8 @@ def test_an_update_of_every_live_worker_on_fresh_parameters_is_a_sync_step():
 
     async def scenario():
         holder = await _started(_holder(dt.optim.sgd(0.5), workers=2, batch_size=16))
-        await holder.leave(1)
-        params, _ = await holder.push(0, 0, g, 8, 0.1, (0, 1))
+        await holder.leave(1, 1)
+        params, _ = await holder.push(0, 1, 0, g, 8, 0.1, (0, 1))
         await holder.close()
         return params
 
@@ -124,7 +124,7 @@ async def _async_run(holder: ParameterHolder) -> tuple[list[np.ndarray], list[fl
     await _started(holder)
     params, momenta = [], []
     for i, ((worker, version), g) in enumerate(zip(PUSHES, GRADS, strict=True)):
-        p, _ = await holder.push(worker, version, g, 4, 0.1, (0, i + 1))
+        p, _ = await holder.push(worker, 1, version, g, 4, 0.1, (0, i + 1))
         params.append(p)
         momenta.append(await _first_moment(holder))
     await holder.close()
@@ -191,7 +191,7 @@ def test_one_worker_has_no_staleness_to_compensate():
         holder = await _started(_holder(dt.optim.sgd(0.1, momentum=0.9), workers=1,
                                         batch_size=4))
         for i in range(3):
-            await holder.push(0, i, GRADS[i], 4, 0.1, (0, i + 1))
+            await holder.push(0, 1, i, GRADS[i], 4, 0.1, (0, i + 1))
         momentum = await _first_moment(holder)
         await holder.close()
         return momentum
@@ -210,13 +210,13 @@ def test_momentum_compensated_to_zero_restarts_from_fresh_gradients():
     async def scenario():
         holder = await _started(_holder(dt.optim.sgd(0.1, momentum=0.5), workers=3,
                                         batch_size=4))
-        await holder.push(0, 0, grads[0], 4, 0.1, (0, 1))  # staleness 0, others live
-        await holder.push(1, 0, grads[1], 4, 0.1, (0, 1))  # staleness 1
-        await holder.leave(1)
-        await holder.leave(2)
+        await holder.push(0, 1, 0, grads[0], 4, 0.1, (0, 1))  # staleness 0, others live
+        await holder.push(1, 1, 0, grads[1], 4, 0.1, (0, 1))  # staleness 1
+        await holder.leave(1, 1)
+        await holder.leave(2, 1)
         seen = []
         for i, g in enumerate(grads[2:]):  # fresh, alone: full rate, staleness 0
-            params, _ = await holder.push(0, holder.version, g, 4, 0.1, (0, i + 2))
+            params, _ = await holder.push(0, 1, holder.version, g, 4, 0.1, (0, i + 2))
             seen.append((params, await _first_moment(holder)))
         await holder.close()
         return seen
@@ -246,7 +246,7 @@ def test_the_compensation_resumes_from_a_checkpoint_exactly(tmp_path):
         state = None
         for i in pushes:
             (worker, version), g = PUSHES[i], GRADS[i]
-            await holder.push(worker, version, g, 4, 0.1, (0, i + 1))
+            await holder.push(worker, 1, version, g, 4, 0.1, (0, i + 1))
             if i == 2:
                 state = await holder.state_dict()
         params, _ = await holder.pull()
@@ -265,13 +265,13 @@ def test_a_checkpoint_of_a_compensated_run_resumed_without_compensation_uses_the
     async def scenario():
         holder = await _started(_holder(dt.optim.sgd(0.1, momentum=0.9), workers=3,
                                         batch_size=4))
-        await holder.push(0, 0, GRADS[0], 4, 0.1, (0, 1))
+        await holder.push(0, 1, 0, GRADS[0], 4, 0.1, (0, 1))
         state = await holder.state_dict()
         await holder.close()
         plain = await _started(_holder(dt.optim.sgd(0.1, momentum=0.9), workers=3,
                                        batch_size=4, momentum_compensation=False))
         await plain.load_state_dict(state)
-        await plain.push(1, 0, GRADS[1], 4, 0.1, (0, 1))
+        await plain.push(1, 1, 0, GRADS[1], 4, 0.1, (0, 1))
         momentum = await _first_moment(plain)
         await plain.close()
         return state["optimizer"]["param_groups"][0]["momentum"], momentum

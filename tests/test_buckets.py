@@ -118,7 +118,7 @@ SIZE = 1000
 ORDER = ((700, 1000), (300, 700), (0, 300))
 
 
-async def _echo(worker, version, grads, count, loss, position) -> Lease:
+async def _echo(worker, incarnation, version, grads, count, loss, position) -> Lease:
     return Lease(grads.copy(), version + 1, None)
 
 
@@ -130,7 +130,7 @@ def _server():
 @pytest.mark.parametrize("marks", [[0, 1, 2], [2, 1, 0], [1], []])
 def test_a_streamed_push_arrives_as_the_same_payload(marks):
     with _server() as server:
-        contact = server.contact(0)
+        contact = server.contact(0, 1)
         assert contact["order"] == ORDER
         channel = ChannelClient(contact, 0, SIZE, 10, lambda: True)
         try:
@@ -152,7 +152,7 @@ def test_a_streamed_push_arrives_as_the_same_payload(marks):
 def test_a_streamed_reply_lands_bucket_by_bucket_into_the_same_parameters():
     with _server() as server:
         into = np.zeros(SIZE, dtype=np.float32)
-        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True, into=into)
+        channel = ChannelClient(server.contact(0, 1), 0, SIZE, 10, lambda: True, into=into)
         channel.stream_replies = True
         try:
             for step in range(3):
@@ -173,7 +173,7 @@ def test_a_streamed_reply_lands_bucket_by_bucket_into_the_same_parameters():
 
 def test_a_streamed_push_to_a_server_gone_fails_naming_the_holder():
     with _server() as server:
-        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: False)
+        channel = ChannelClient(server.contact(0, 1), 0, SIZE, 10, lambda: False)
     # The server is closed: the sends fail, and the header's send or finish says so (which
     # of the two depends on when the socket notices), naming the holder's worker.
     try:

@@ -50,8 +50,8 @@ def _connect(client, holder, worker: int = 0, token: bytes | None = None,
              claim: int | None = None) -> ChannelClient:
     """Join as ``worker`` and connect, presenting ``token`` and worker ``claim`` when given."""
     contact = _contact(holder, worker)
-    if token is not None:
-        contact["token"] = token
+    if token is not None:  # of incarnation 1
+        contact["token"], contact["incarnation"] = token, 1
     handle = HolderHandle(holder, 30, client)
     return ChannelClient(contact, worker if claim is None else claim, LAYOUT.size, 30,
                          handle.holder_alive)
@@ -113,7 +113,7 @@ def test_refused_pushes_name_the_problem_and_the_channel_goes_on(client, holder)
 
 
 def _token_for(dask_worker, key: str, worker: int) -> bytes:
-    return dask_worker.state.actors[key]._channel.contact(worker)["token"]
+    return dask_worker.state.actors[key]._channel.contact(worker, 1)["token"]
 
 
 def test_a_push_from_an_unknown_worker_is_refused(client, holder):
@@ -191,7 +191,7 @@ def test_a_worker_that_cannot_reach_the_channel_pushes_through_the_actor(client,
     handle = HolderHandle(holder, 30, client)
     info = handle.join(0, None, LAYOUT)
     assert info["channel"] is not None and handle.via == "actor"
-    params, version = handle.wait(handle.push(0, 0, np.ones(FEATURES, np.float32), 1, 0.0,
+    params, version = handle.wait(handle.push(0, np.ones(FEATURES, np.float32), 1, 0.0,
                                               (0, 1)), "a push")  # through the actor
     assert version == 1 and np.array_equal(params, -np.ones(FEATURES))
 
@@ -266,8 +266,8 @@ def test_a_connection_flood_is_refused_without_affecting_training(client, holder
 SIZE = 4  # values of the models served by the in-process servers below
 
 
-async def _echo(worker: int, version: int, grads: np.ndarray | None, count: int, loss: float,
-                position: tuple[int, int]) -> Lease:
+async def _echo(worker: int, incarnation: int, version: int, grads: np.ndarray | None,
+                count: int, loss: float, position: tuple[int, int]) -> Lease:
     """A holder's push that answers with the gradient itself (zeros without one)."""
     return Lease(np.zeros(SIZE, np.float32) if grads is None else grads.copy(), version + 1,
                  None)
@@ -280,9 +280,9 @@ def _server(idle_timeout: float = 600.0, size: int = SIZE):
 
 def _hello(server: ChannelServer, worker: int = 0) -> socket.socket:
     """A raw connection that presented ``worker``'s token and was accepted."""
-    contact = server.contact(worker)
+    contact = server.contact(worker, 1)
     sock = socket.create_connection((contact["host"], contact["port"]), timeout=10)
-    sock.sendall(HELLO.pack(contact["token"], worker))
+    sock.sendall(HELLO.pack(contact["token"], worker, 1))
     assert sock.recv(1) == b"\x01"
     return sock
 
@@ -295,7 +295,7 @@ BULK = transfer._BULK_BYTES // 4 + 1
 @pytest.mark.parametrize("transport", ["local", "tcp"])
 def test_a_large_payload_goes_both_ways_over_either_transport(transport):
     with _server(size=BULK) as server:
-        contact = server.contact(0)
+        contact = server.contact(0, 1)
         assert contact["local"] is not None  # this is Linux: a local socket is offered
         if transport == "tcp":  # as a worker on another host sees it: local fails
             contact["local"] = "\0dasktrain-channel-elsewhere"
@@ -332,7 +332,7 @@ def test_a_connection_gone_silent_is_closed_after_the_idle_deadline(sent):
 
 def test_a_client_silent_past_the_idle_deadline_reconnects_for_its_next_push():
     with _server(idle_timeout=IDLE) as server:
-        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True)
+        channel = ChannelClient(server.contact(0, 1), 0, SIZE, 10, lambda: True)
         try:
             ones = np.ones(SIZE, np.float32)
             assert channel.push(0, ones, 1, 0.0, (0, 1)).result()[1] == 1

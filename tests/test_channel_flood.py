@@ -112,12 +112,12 @@ def test_a_worker_pushed_onto_the_actor_returns_to_the_channel(client, monkeypat
             step, deadline = 1, time.monotonic() + 30
             while handle.via != "direct":
                 assert time.monotonic() < deadline, "the worker never returned to the channel"
-                params, version = handle.wait(handle.push(0, step, ones, 1, 0.0,
+                params, version = handle.wait(handle.push(step, ones, 1, 0.0,
                                                           (0, step + 1)), "a push")
                 assert version == step + 1 and np.array_equal(params, -(step + 1) * ones)
                 step += 1
             assert handle.transport in ("shared", "local")
-            params, version = handle.wait(handle.push(0, step, ones, 1, 0.0, (0, step + 1)),
+            params, version = handle.wait(handle.push(step, ones, 1, 0.0, (0, step + 1)),
                                           "a push")
             assert version == step + 1 and np.array_equal(params, -(step + 1) * ones)
         finally:
@@ -130,8 +130,8 @@ def test_a_worker_pushed_onto_the_actor_returns_to_the_channel(client, monkeypat
 SIZE = 4
 
 
-async def _echo(worker: int, version: int, grads: np.ndarray | None, count: int, loss: float,
-                position: tuple[int, int]) -> Lease:
+async def _echo(worker: int, incarnation: int, version: int, grads: np.ndarray | None,
+                count: int, loss: float, position: tuple[int, int]) -> Lease:
     return Lease(np.zeros(SIZE, np.float32) if grads is None else grads.copy(), version + 1,
                  None)
 
@@ -139,7 +139,7 @@ async def _echo(worker: int, version: int, grads: np.ndarray | None, count: int,
 def test_a_push_that_cannot_reconnect_says_nothing_was_sent():
     idle = 0.2
     with serve_channel(_echo, SIZE, idle_timeout=idle) as server:
-        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True)
+        channel = ChannelClient(server.contact(0, 1), 0, SIZE, 10, lambda: True)
         try:
             ones = np.ones(SIZE, np.float32)
             assert channel.push(0, ones, 1, 0.0, (0, 1)).result()[1] == 1

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 
+import numpy as np
 import pytest
 
 import dasktrain as dt
 from dasktrain.datasets.atomic import StagedDirectory
 from dasktrain.trainer.driver.checkpoint import load_checkpoint, save_checkpoint
-from dasktrain.trainer.driver.update_log import UpdateLog
-from tests.common.training import mlp, mse
+from dasktrain.trainer.driver.run import FitRun
+from dasktrain.trainer.driver.update_log import UpdateLog, split_kinds
+from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.worker.compute import BatchCompute
+from dasktrain.trainer.worker.config import WorkerConfig
+from tests.common.training import mlp, mse, zeros, zeros_holder
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +46,10 @@ def test_the_checkpoint_keeps_no_per_update_lists_and_resume_restores_them(
     sizes.append(os.path.getsize(run / "checkpoint.pt"))
     state = load_checkpoint(run)
     assert "loss" not in state["history"] and "staleness" not in state["history"]
-    # Constant size, whatever the number of updates: only an epoch's record is added.
-    assert sizes[1] - sizes[0] < 1024
-    rows = UpdateLog(run).read()
+    # Constant size, whatever the number of updates and epochs.
+    assert abs(sizes[1] - sizes[0]) < 64, sizes
+    rows, others = split_kinds(UpdateLog(run).read())
+    assert others["epochs"] == first.history.epochs
     assert [r["version"] for r in rows] == first.history.version
     assert [r["loss"] for r in rows] == first.history.loss
     assert sum(len(r["staleness"]) for r in rows) == len(first.history.staleness)
@@ -51,9 +59,84 @@ def test_the_checkpoint_keeps_no_per_update_lists_and_resume_restores_them(
     assert history.loss[: first.history.updates] == first.history.loss
     assert history.version == list(range(1, history.updates + 1))
     assert history.updates == 2 * first.history.updates
-    assert len(UpdateLog(run).read()) == history.updates
+    assert len(split_kinds(UpdateLog(run).read())[0]) == history.updates
     loaded = dt.Trainer.load(run, model=mlp, loss=mse)
     assert loaded.history.loss == history.loss
+
+
+def _saved_versions(caplog) -> list[int]:
+    """The versions of the checkpoints the driver wrote, in the order it wrote them."""
+    return [int(r.args[0]) for r in caplog.records
+            if r.name == "dasktrain.trainer.driver.run" and r.msg.startswith("checkpoint at")]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_checkpoints_keep_a_constant_size_and_never_go_backwards(client, regression, tmp_path,
+                                                                caplog, mode):
+    """A checkpoint every update, over fits of 2 and 8 epochs: the file is as large after
+    the long fit as after the short one (the History's events, claims and epoch records
+    are in the run's log, not rewritten whole at every save), and no save is of an older
+    state than the one before it, although the holder runs into each next epoch while the
+    driver saves the boundary of the last (a mid-epoch state of epoch e + 1 polled before
+    the boundary of e was saved waits for that save)."""
+    caplog.set_level("INFO", logger="dasktrain.trainer.driver.run")
+    sizes = {}
+    for epochs in (2, 8):
+        trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode=mode, workers=2,
+                             batch_size=16, checkpoint_every=1, progress=False)
+        run = tmp_path / f"run-{epochs}"
+        history = trainer.fit(regression, epochs=epochs, client=client, checkpoint=run)
+        sizes[epochs] = os.path.getsize(run / "checkpoint.pt")
+        versions = _saved_versions(caplog)
+        caplog.clear()
+        assert versions == sorted(versions), versions
+        assert versions[-1] == history.version[-1]
+        state = load_checkpoint(run)
+        assert not state["history"]["events"] and not state["history"]["epochs"]
+        resumed = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode=mode, workers=2,
+                             batch_size=16, progress=False)
+        again = resumed.fit(regression, epochs=epochs, client=client, resume=run)
+        assert again.epochs == history.epochs and again.events == history.events
+        assert again.claims == history.claims and again.loss == history.loss
+    assert abs(sizes[8] - sizes[2]) < 64, sizes
+
+
+def test_a_state_of_the_next_epoch_is_written_after_the_boundary_before_it(
+        client, regression, tmp_path, caplog):
+    """The driver's last poll of an epoch may bring a mid-epoch state of the next one (the
+    holder went on while the driver learned of the end): it is written only after the
+    boundary of the epoch before, never overwritten by that older state. Driven step by
+    step: this test pushes as the fit's one worker, and the driver's run polls."""
+    caplog.set_level("INFO", logger="dasktrain.trainer.driver.run")
+    worker = WorkerConfig(model=functools.partial(zeros, 4), compute=BatchCompute(mse),
+                          data=regression, workers=1, batch_size=16, pipeline_options={},
+                          timeout=30)
+    run = FitRun(client, zeros_holder(4, workers=1, mode="sync"), worker, holder_worker=None,
+                 timeout=30, checkpoint=str(tmp_path / "run"), checkpoint_every=1,
+                 checkpoint_extra=dict, history=dt.History(mode="sync", workers=1),
+                 progress=None)
+    handle = HolderHandle(run.holder, 30, client)
+    grads = np.ones(4, dtype=np.float32)
+    try:
+        run.call("begin_epoch", 0, True, None, 1, "state")
+        run.call("queue_epoch", 1, None, "state")
+        info = handle.join(0, None, FlatModel(zeros(4)).layout)
+        _, version = handle.wait(handle.push(info["version"], grads, 16, 0.1, (0, 1)), "a push")
+        run.poll()  # asks for the state at version 2, the epoch's last
+        _, version = handle.wait(handle.push(version, grads, 16, 0.1, (0, 2)), "a push")
+        info = handle.next_epoch(0, {"epoch": 0, "worker": 0, "steps": 2})
+        assert info["epoch"] == 1
+        handle.wait(handle.push(info["version"], grads, 16, 0.1, (1, 1)), "a push")
+        run.poll()  # writes the state at version 2, asks for the next: epoch 1's
+        run.poll()  # brings the state at version 3, of epoch 1
+        _, boundary = run.boundary(0)
+        run.save(complete_epochs=1, holder_state=boundary)
+    finally:
+        handle.close()
+        run.close()
+    assert _saved_versions(caplog) == [2, 2, 3]  # mid-epoch 0, its boundary, mid-epoch 1
+    state = load_checkpoint(tmp_path / "run")
+    assert (state["holder"]["version"], state["complete_epochs"]) == (3, 1)
 
 
 def test_the_update_log_keeps_what_a_checkpoint_counts_on(tmp_path):

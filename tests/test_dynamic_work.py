@@ -247,10 +247,11 @@ def _claiming_holder() -> ParameterHolder:
         mode="async", assignment="dynamic", batch_size=1))
 
 
-def test_a_second_gradient_of_a_batch_is_refused_and_counts_once():
-    """Worker 0 claims batches, is given up (its claims go back), worker 1 claims one of
-    them, and both push it: the first is applied, the second refused, with an event and no
-    gradient record, and the parameters moved once."""
+def test_a_push_of_a_dropped_worker_is_fenced_and_its_batch_counts_once():
+    """Worker 0 claims batches and is dropped (its claims go back), worker 1 claims one of
+    them, and both push it: worker 0's incarnation is over, so its push is refused (an
+    event, counted) and changes nothing; worker 1's is applied, and the parameters moved
+    once."""
 
     async def scenario():
         holder = _claiming_holder()
@@ -258,12 +259,13 @@ def test_a_second_gradient_of_a_batch_is_refused_and_counts_once():
             await holder.begin_epoch(0, True, (4, [0]), 2)
             for w in range(2):
                 await holder.join(w, None, holder.layout)
-            first = await holder.claim(0, 0)
+            first = await holder.claim(0, 1, 0)
             await holder.drop(0, "silent")  # what it claimed goes back to the pool
-            again = await holder.claim(1, 0)
+            again = await holder.claim(1, 1, 0)
             ones = np.ones(3, dtype=np.float32)
-            await holder.push(0, 0, ones, 1, 0.5, (0, first[0]))  # it was alive after all
-            params, version = await holder.push(1, 0, ones, 1, 0.5, (0, again[0]))
+            with pytest.raises(dt.Fenced, match="dropped"):  # it was alive after all
+                await holder.push(0, 1, 0, ones, 1, 0.5, (0, first[0]))
+            params, version = await holder.push(1, 1, 0, ones, 1, 0.5, (0, again[0]))
             return first, again, params, version, await holder.progress()
         finally:
             await holder.close()
@@ -272,27 +274,8 @@ def test_a_second_gradient_of_a_batch_is_refused_and_counts_once():
     assert first[0] == again[0] == 0
     assert version == 1  # one update
     assert progress["records"]["dropped"] == [False]  # one gradient, applied
-    assert any("refused: batch 0 was already applied" in e for e in progress["events"])
-    np.testing.assert_allclose(params, np.full(3, -0.5, dtype=np.float32))  # lr/W x 1
-
-
-def test_a_task_of_an_earlier_epoch_steps_aside():
-    """The driver cancels a task that had not joined when its epoch ended, but a running
-    task cannot be stopped from outside: when it joins later, in the next epoch, it must
-    not take its rank's place beside that epoch's task (nor hand back that task's work)."""
-
-    async def scenario():
-        holder = _claiming_holder()
-        try:
-            await holder.begin_epoch(1, True, (4, [0]), 2)
-            current = await holder.join(1, None, holder.layout, epoch=1)
-            run = await holder.claim(1, 1)
-            stale = await holder.join(1, None, holder.layout, epoch=0)
-            return current, run, stale, await holder.progress()
-        finally:
-            await holder.close()
-
-    current, run, stale, progress = asyncio.run(scenario())
-    assert "params" in current and run
-    assert stale == {"surplus": True}
-    assert not any("rejoined" in e or "went back" in e for e in progress["events"])
+    assert progress["fenced"] == 1 and progress["members"][0] == "lost"
+    assert any("a push from worker 0 (incarnation 1) refused" in e for e in progress["events"])
+    # Worker 1 is the only worker left in the epoch: its gradient on the current
+    # parameters is the step sync would take, at the full rate.
+    np.testing.assert_allclose(params, np.full(3, -1.0, dtype=np.float32))

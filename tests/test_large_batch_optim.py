@@ -167,7 +167,7 @@ def test_a_holder_checkpoint_of_lamb_and_lars_resumes_exactly(tmp_path):
         if checkpoint is not None:
             await holder.load_state_dict(torch.load(checkpoint, weights_only=True))
         for step in steps:
-            await holder.push(0, holder.version, grads[step], 1, 0.0, (0, step + 1))
+            await holder.push(0, 1, holder.version, grads[step], 1, 0.0, (0, step + 1))
             if save is not None and step == 4:
                 torch.save(await holder.state_dict(), save)
         params, _ = await holder.pull()

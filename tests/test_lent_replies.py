@@ -24,7 +24,7 @@ FEATURES = 6
 
 def _holders_parameters(actor) -> np.ndarray:
     """The holder's own parameters (it runs in this process)."""
-    return get_worker().state.actors[actor.key].values.numpy()
+    return get_worker().state.actors[actor.key]._arith.flat.numpy()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _sync_steps(actor, steps: int) -> dict:
     seen, replies = [], []
     version = int(info["version"])
     for step in range(steps):
-        future = handle.push(0, version, np.ones(FEATURES, F32), 1, 0.0, (0, step + 1))
+        future = handle.push(version, np.ones(FEATURES, F32), 1, 0.0, (0, step + 1))
         params, version = handle.wait(future, "a push")
         flat.view(params)
         replies.append(params)
@@ -85,16 +85,16 @@ def _async_lender(actor) -> dict:
     mine.join(0, None, flat.layout)
     other.join(1, None, flat.layout)
     ones = np.ones(FEATURES, F32)
-    held, version = mine.wait(mine.push(0, 0, ones, 1, 0.0, (0, 1)), "worker 0's push")
+    held, version = mine.wait(mine.push(0, ones, 1, 0.0, (0, 1)), "worker 0's push")
     flat.view(held)
     before = held.copy()
     holders_then = np.shares_memory(held, _holders_parameters(actor))
     for step in range(3):  # worker 1, whose replies are copied as ever
-        params, _ = other.wait(other.push(1, version + step, 2 * ones, 1, 0.0, (0, step + 1)),
+        params, _ = other.wait(other.push(version + step, 2 * ones, 1, 0.0, (0, step + 1)),
                                "worker 1's push")
     after_others = held.copy()
     holders_after = np.shares_memory(held, _holders_parameters(actor))
-    newest, last = mine.wait(mine.push(0, version, ones, 1, 0.0, (0, 2)), "worker 0's push")
+    newest, last = mine.wait(mine.push(version, ones, 1, 0.0, (0, 2)), "worker 0's push")
     mine.close()
     other.close()
     return {"before": before, "after_others": after_others, "others_last": params,

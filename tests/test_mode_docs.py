@@ -47,10 +47,10 @@ def test_the_documented_example_mode_applies_fresh_gradients_and_drops_stale_one
             await holder.join(w, None, holder.layout)
         g = np.ones(3, dtype=np.float32)
         for step in range(3):  # worker 0 moves the holder to version 3
-            await holder.push(0, holder.version, g, 1, 0.5, (0, step + 1))
-        await holder.push(1, 2, g, 1, 0.5, (0, 1))  # staleness 1: applied
-        await holder.push(1, 0, g, 1, 0.5, (0, 2))  # staleness 4: dropped
-        await holder.push(1, 4, g, 1, 0.5, (0, 3))  # the drop is recorded with this update
+            await holder.push(0, 1, holder.version, g, 1, 0.5, (0, step + 1))
+        await holder.push(1, 1, 2, g, 1, 0.5, (0, 1))  # staleness 1: applied
+        await holder.push(1, 1, 0, g, 1, 0.5, (0, 2))  # staleness 4: dropped
+        await holder.push(1, 1, 4, g, 1, 0.5, (0, 3))  # the drop is recorded with this update
         params, version = await holder.pull()
         records = (await holder.progress())["records"]
         await holder.close()

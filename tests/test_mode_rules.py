@@ -140,7 +140,7 @@ def _dc_run(options: dict) -> tuple[list[np.ndarray], dict]:
             assert info["version"] == 0
         after = []
         for worker, version, g, b in ((0, 0, G0, B0), (1, 0, G1, B1), (0, 1, G2, B2)):
-            params, _ = await holder.push(worker, version, np.concatenate([g, b]), 8,
+            params, _ = await holder.push(worker, 1, version, np.concatenate([g, b]), 8,
                                           0.5, (0, 1 + len(after)))
             after.append(params)
         records = _records(await holder.progress())
@@ -286,7 +286,7 @@ def test_dc_adaptive_a_refused_gradient_does_not_poison_the_later_ones():
         versions = []
         for i in range(6):
             g = _f32(math.nan, 1.0, 1.0) if i == 1 else good
-            _, version = await holder.push(i % 2, holder.version, g, 1, 0.1, (0, i + 1))
+            _, version = await holder.push(i % 2, 1, holder.version, g, 1, 0.1, (0, i + 1))
             versions.append(version)
         progress = await holder.progress()
         params, _ = await holder.pull()
@@ -315,9 +315,9 @@ def _stale_sgd_run(rule) -> tuple[np.ndarray, np.ndarray, dict]:
         for w in range(2):
             await holder.join(w, None, holder.layout)
         for step in range(3):
-            before, version = await holder.push(0, holder.version, ga, 4, 0.1, (0, step + 1))
+            before, version = await holder.push(0, 1, holder.version, ga, 4, 0.1, (0, step + 1))
         assert version == 3
-        after, version = await holder.push(1, 0, g, 4, 0.1, (0, 1))
+        after, version = await holder.push(1, 1, 0, g, 4, 0.1, (0, 1))
         assert version == 4
         records = _records(await holder.progress())
         await holder.close()
@@ -359,7 +359,7 @@ def test_staleness_lr_scales_adam_steps_like_adam_at_that_rate():
             await holder.join(w, None, holder.layout)
         seen = []
         for i, ((worker, version), g) in enumerate(zip(pushes, grads, strict=True)):
-            params, _ = await holder.push(worker, version, g, 2, 0.3, (0, i + 1))
+            params, _ = await holder.push(worker, 1, version, g, 2, 0.3, (0, i + 1))
             seen.append(params)
         records = _records(await holder.progress())
         await holder.close()
@@ -397,7 +397,7 @@ def test_a_staleness_rule_giving_a_negative_or_nan_rate_fails_clearly(rule):
         try:
             with pytest.raises(ValueError, match=r"staleness_lr gave .* for staleness 0.*"
                                                  r"finite number >= 0"):
-                await holder.push(0, 0, np.ones(3, dtype=F32), 1, 0.0, (0, 1))
+                await holder.push(0, 1, 0, np.ones(3, dtype=F32), 1, 0.0, (0, 1))
             return await holder.pull()
         finally:
             await holder.close()
@@ -512,8 +512,8 @@ def test_ssp_never_drops_a_slow_worker_that_keeps_pushing():
         async def waiting_for_slow():
             return (await holder.progress())["waiting_for"] == [1]
 
-        await holder.push(0, 0, g, 1, 0.1, (0, 1))  # one ahead: within the bound
-        fast = asyncio.ensure_future(holder.push(0, 1, g, 1, 0.1, (0, 2)))
+        await holder.push(0, 1, 0, g, 1, 0.1, (0, 1))  # one ahead: within the bound
+        fast = asyncio.ensure_future(holder.push(0, 1, 1, g, 1, 0.1, (0, 2)))
         events = []
         for step in range(6):
             await _until(waiting_for_slow, "the fast worker waits for the slow one")
@@ -523,10 +523,10 @@ def test_ssp_never_drops_a_slow_worker_that_keeps_pushing():
             if report["members"][1] != "active":
                 break
             # The slow worker's push (between two checks) lets the fast one go on...
-            await holder.push(1, holder.version, g, 1, 0.1, (0, step + 1))
+            await holder.push(1, 1, holder.version, g, 1, 0.1, (0, step + 1))
             _, version = await fast
             # ... which pushes again at once and waits again.
-            fast = asyncio.ensure_future(holder.push(0, version, g, 1, 0.1, (0, step + 3)))
+            fast = asyncio.ensure_future(holder.push(0, 1, version, g, 1, 0.1, (0, step + 3)))
         fast.cancel()
         await holder.close()
         return events
@@ -581,18 +581,18 @@ def test_a_lease_is_never_written_and_released_buffers_are_reused():
         for w in range(2):
             await holder.join(w, None, holder.layout)
         ones = np.ones(5, dtype=F32)
-        lease = await holder.exchange(0, 0, ones, 1, 0.0, (0, 1))
+        lease = await holder.exchange(0, 1, 0, ones, 1, 0.0, (0, 1))
         assert lease.version == 1
         kept = lease.array.copy()
         np.testing.assert_array_equal(kept, -ones)
         for step in range(5):
-            params, version = await holder.push(1, holder.version, 2 * ones, 1, 0.0,
+            params, version = await holder.push(1, 1, holder.version, 2 * ones, 1, 0.0,
                                                 (0, step + 1))
         assert version == 6
         np.testing.assert_array_equal(params, np.full(5, -11.0))
         np.testing.assert_array_equal(lease.array, kept)  # unchanged under the lease
         leased_at = lease.array.ctypes.data
-        assert holder.values.data_ptr() != leased_at  # updates went to another buffer
+        assert holder._arith.flat.data_ptr() != leased_at  # updates went to another buffer
         lease.release()
         lease.release()  # idempotent
         assert [b.data_ptr() for b in arith._spare] == [leased_at]
@@ -600,11 +600,11 @@ def test_a_lease_is_never_written_and_released_buffers_are_reused():
         # Many leases held at once: each unchanged; released, at most 4 kept for reuse.
         leases = []
         for step in range(6):
-            leases.append(await holder.exchange(0, holder.version, ones, 1, 0.0,
+            leases.append(await holder.exchange(0, 1, holder.version, ones, 1, 0.0,
                                                 (0, 2 + step)))
         copies = [x.array.copy() for x in leases]
         for step in range(3):
-            await holder.push(1, holder.version, ones, 1, 0.0, (0, 7 + step))
+            await holder.push(1, 1, holder.version, ones, 1, 0.0, (0, 7 + step))
         for x, copy in zip(leases, copies, strict=True):
             np.testing.assert_array_equal(x.array, copy)
             np.testing.assert_array_equal(copy, np.full(5, -float(x.version)) - 5)
@@ -613,13 +613,13 @@ def test_a_lease_is_never_written_and_released_buffers_are_reused():
         assert len(arith._spare) <= 4
 
         # From now on a lease held across an update costs no new buffer.
-        known = {b.data_ptr() for b in arith._spare} | {holder.values.data_ptr()}
+        known = {b.data_ptr() for b in arith._spare} | {holder._arith.flat.data_ptr()}
         for step in range(50):
-            held = await holder.exchange(0, holder.version, ones, 1, 0.0, (0, 8 + step))
-            await holder.push(1, holder.version, ones, 1, 0.0, (0, 10 + step))
+            held = await holder.exchange(0, 1, holder.version, ones, 1, 0.0, (0, 8 + step))
+            await holder.push(1, 1, holder.version, ones, 1, 0.0, (0, 10 + step))
             assert held.array.ctypes.data in known
             held.release()
-            assert holder.values.data_ptr() in known and len(arith._spare) <= 4
+            assert holder._arith.flat.data_ptr() in known and len(arith._spare) <= 4
         params, version = await holder.pull()
         await holder.close()
         return params, version
@@ -644,7 +644,10 @@ def test_a_join_racing_threaded_sync_updates_sees_a_whole_version():
             nonlocal done
             version = 0
             for step in range(30):
-                _, version = await holder.push(0, version, ones, 1, 0.0, (0, step + 1))
+                # Each join below is a new incarnation of worker 0: push as the current one.
+                current = holder._roster.incarnation(0)
+                _, version = await holder.push(0, current, version, ones, 1, 0.0,
+                                               (0, step + 1))
                 done += 1
 
         task = asyncio.ensure_future(pusher())
@@ -710,17 +713,17 @@ def test_a_large_average_computed_in_halves_is_exact_and_refuses_a_nan_in_either
         holder = ParameterHolder(config)
         for w in range(3):
             await holder.join(w, None, holder.layout)
-        first = await asyncio.gather(*(holder.push(w, 0, grads[w], counts[w], 0.0, (0, 1))
+        first = await asyncio.gather(*(holder.push(w, 1, 0, grads[w], counts[w], 0.0, (0, 1))
                                        for w in range(3)))
         # Round 2: worker 1's gradient has a NaN in the second half, worker 2's an inf in
         # the first: both refused, worker 0's applied alone.
         bad_nan, bad_inf = grads[1].copy(), grads[2].copy()
         bad_nan[features - 2] = np.nan
         bad_inf[1] = np.inf
-        second = await asyncio.gather(*(holder.push(w, 1, g, counts[w], 0.0, (0, 2))
+        second = await asyncio.gather(*(holder.push(w, 1, 1, g, counts[w], 0.0, (0, 2))
                                         for w, g in enumerate([grads[0], bad_nan, bad_inf])))
         await holder.close()
-        return first[0][0].copy(), second[0][0].copy(), holder.refused
+        return first[0][0].copy(), second[0][0].copy(), holder._host.refused
 
     after_first, after_second, refused = asyncio.run(scenario())
     # The running weighted mean as one process computes it, over the whole buffer at once.

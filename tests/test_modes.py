@@ -300,11 +300,11 @@ def test_soft_takes_min_of_wait_for_and_live_workers_exactly():
 
         def push(worker, version, step):  # worker w's gradient is w + 1 everywhere
             grads = np.full(2, worker + 1, dtype=np.float32)
-            return holder.push(worker, version, grads, 1, 0.5, (0, step))
+            return holder.push(worker, 1, version, grads, 1, 0.5, (0, step))
 
         async def leave(*workers):
             for w in workers:
-                await holder.leave(w)
+                await holder.leave(w, 1)
 
         # gather starts the pushes in order; each waits until its round is applied.
         await asyncio.gather(push(0, 0, 1), push(1, 0, 1))  # S of them: applied

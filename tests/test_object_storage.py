@@ -27,7 +27,7 @@ from dasktrain._durable import url_filesystem
 from dasktrain.datasets.publish_lock import LOCK_NAME, publish_lock
 from dasktrain.datasets.remote import BUILD_PREFIX
 from dasktrain.trainer.driver.checkpoint import load_checkpoint
-from dasktrain.trainer.driver.update_log import UpdateLog
+from dasktrain.trainer.driver.update_log import UpdateLog, split_kinds
 from tests.common.builders import run_cli, wait_for
 from tests.common.meanwhile import meanwhile
 from tests.common.object_storage import BUCKET, s3_server  # noqa: F401  (the s3 fixture)
@@ -292,7 +292,9 @@ def test_fit_checkpoints_resumes_and_loads_from_s3(client, s3_default, tmp_path)
               validation=data.split("val"),
               callbacks=[dt.ModelCheckpoint(models, keep_last=1)])
     assert s3.names("runs/a") == ["checkpoint-updates.jsonl", "checkpoint.pt"]
-    assert [r["version"] for r in UpdateLog(run).read()] == first.history.version
+    updates, others = split_kinds(UpdateLog(run).read())
+    assert [r["version"] for r in updates] == first.history.version
+    assert others["epochs"] == first.history.epochs
 
     resumed = trainer()
     history = resumed.fit(data.split("train"), epochs=2, client=client, checkpoint=run,
@@ -300,7 +302,7 @@ def test_fit_checkpoints_resumes_and_loads_from_s3(client, s3_default, tmp_path)
                           callbacks=[dt.ModelCheckpoint(models, keep_last=1)])
     assert history.loss[: first.history.updates] == first.history.loss
     assert load_checkpoint(run)["complete_epochs"] == 2
-    assert len(UpdateLog(run).read()) == history.updates
+    assert len(split_kinds(UpdateLog(run).read())[0]) == history.updates
     assert s3.names("runs/models") == ["best.pt", "epoch-0001.pt"]  # epoch 0's was deleted
 
     loaded = dt.Trainer.load(run, model=mlp, loss=mse)

@@ -66,7 +66,7 @@ class _Recorder:
         self.seen: list[np.ndarray | None] = []
         self.params = np.zeros(size, np.float32)
 
-    async def __call__(self, worker, version, grads, count, loss, position) -> Lease:
+    async def __call__(self, worker, incarnation, version, grads, count, loss, position) -> Lease:
         self.seen.append(grads)
         if grads is not None:
             self.params = grads.copy()
@@ -78,7 +78,7 @@ class _Recorder:
 def test_a_push_over_shared_memory_hands_the_holder_the_workers_own_memory(size):
     recorder = _Recorder(size)
     with serve_channel(recorder, size) as server:
-        channel = ChannelClient(server.contact(0), 0, size, 10, lambda: True)
+        channel = ChannelClient(server.contact(0, 1), 0, size, 10, lambda: True)
         try:
             assert channel.shared is not None
             regions = channel.shared
@@ -108,8 +108,8 @@ def test_a_push_over_shared_memory_hands_the_holder_the_workers_own_memory(size)
 def test_a_holder_that_does_not_share_memory_gets_the_bytes():
     recorder = _Recorder(SIZE)
     with serve_channel(recorder, SIZE, shared_memory=False) as server:
-        assert server.contact(0)["shared"] is False
-        contact = dict(server.contact(0), shared=True)  # offered anyway: declined
+        assert server.contact(0, 1)["shared"] is False
+        contact = dict(server.contact(0, 1), shared=True)  # offered anyway: declined
         channel = ChannelClient(contact, 0, SIZE, 10, lambda: True)
         try:
             assert channel.shared is None and channel.transport == "local"
@@ -176,7 +176,7 @@ def _holder_on(features: int, workers: int, mode: str):
 
 
 def _shares(holder, region: np.ndarray) -> bool:
-    return np.shares_memory(holder.values.numpy(), region)
+    return np.shares_memory(holder._arith.flat.numpy(), region)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -199,7 +199,7 @@ def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory
         def shares() -> bool:  # the holder's parameters lie in the worker's model
             return on_loop(server, _async(_shares, holder, box["region"]))
 
-        channel = ChannelClient(server.contact(0), 0, SIZE, 10, lambda: True)
+        channel = ChannelClient(server.contact(0, 1), 0, SIZE, 10, lambda: True)
         try:
             regions = channel.shared
             assert regions is not None
@@ -216,7 +216,7 @@ def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory
                 # Worker 1's updates while worker 0 reads its model go elsewhere.
                 for step in range(3):
                     on_loop(server, lambda s=step: holder.push(
-                        1, 1 + s, np.full(SIZE, 2.0, np.float32), 1, 0.0, (0, s + 1)))
+                        1, 1, 1 + s, np.full(SIZE, 2.0, np.float32), 1, 0.0, (0, s + 1)))
                 assert (regions.reply == -1.0).all()
                 assert not shares()
                 # Worker 0's next reply brings the parameters back into its model.

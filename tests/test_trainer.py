@@ -108,37 +108,6 @@ def test_the_gap_between_epochs_is_recorded_per_worker(client, regression):
         assert record["gap_s"] == max(gaps)
 
 
-def _kept_pipelines() -> list[tuple]:
-    from dasktrain.trainer.worker import kept
-
-    return [(str(fit), worker, world) for fit, worker, world in kept._KEPT]
-
-
-def test_a_static_ranks_pipeline_is_kept_between_epochs_and_let_go_after(client, regression):
-    """An elastic run starts a task per worker and epoch (its workers change at epoch
-    starts): a static rank's pipeline waits in its process for the next epoch's task."""
-    def stop_after_first(trainer, record):
-        trainer.stop_training = True
-
-    # Stopped after epoch 0 of 3: each rank's pipeline stays kept in its process, with
-    # its head start into epoch 1 that no task takes up...
-    stopped = _trainer("sync", (1, 2), 16, dt.optim.sgd(0.05))
-    history = stopped.fit(regression, epochs=3, client=client, callbacks=[stop_after_first])
-    assert len(history.epochs) == 1
-    left = sorted(k for found in client.run(_kept_pipelines).values() for k in found)
-    assert [(w, world) for _, w, world in left] == [(0, 2), (1, 2)]
-    # ... until the next fit's tasks close it; a fit's last epoch keeps nothing.
-    whole = _trainer("sync", (1, 2), 16, dt.optim.sgd(0.05))
-    history = whole.fit(regression, epochs=2, client=client)
-    assert [r["gap_s"] is not None for r in history.epochs] == [False, True]
-    assert all(found == [] for found in client.run(_kept_pipelines).values())
-    # A fit whose tasks last the fit closes what an elastic one left too.
-    stopped.fit(regression, epochs=3, client=client, callbacks=[stop_after_first])
-    assert sum(len(found) for found in client.run(_kept_pipelines).values()) == 2
-    _trainer("sync", 2, 16, dt.optim.sgd(0.05)).fit(regression, epochs=1, client=client)
-    assert all(found == [] for found in client.run(_kept_pipelines).values())
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nonfinite_gradients_are_refused_and_counted(client, regression, mode):
     special = float(regression.y[123, 0].compute())
@@ -202,9 +171,9 @@ def test_holder_refuses_mismatched_models(client):
         assert info["version"] == 0 and info["params"].shape == (good.size,)
         wrong = np.zeros(good.size + 3, dtype=np.float32)
         with pytest.raises(ValueError, match="model differs from the holder's"):
-            holder.push(0, 0, wrong, 4, 0.0, (0, 1)).result(timeout=30)
+            holder.push(0, 1, 0, wrong, 4, 0.0, (0, 1)).result(timeout=30)
         with pytest.raises(ValueError, match="unknown worker 5"):
-            holder.push(5, 0, None, 0, 0.0, (0, 1)).result(timeout=30)
+            holder.push(5, 1, 0, None, 0, 0.0, (0, 1)).result(timeout=30)
     finally:
         holder.close().result(timeout=30)
         future.release()
@@ -380,7 +349,7 @@ def test_state_dict_is_never_taken_half_way_through_an_update(features):
             nonlocal pushed
             for _ in range(200):
                 pushed += 1
-                await holder.push(0, holder.version, ones, 1, 0.0, (0, pushed))
+                await holder.push(0, 1, holder.version, ones, 1, 0.0, (0, pushed))
                 await asyncio.sleep(0)  # let the reader in between pushes
 
         task = asyncio.ensure_future(pusher())
@@ -410,7 +379,7 @@ def test_state_at_is_taken_at_exactly_that_version():
         at_five = asyncio.ensure_future(holder.state_at(5))
         await asyncio.sleep(0)  # let it register before the updates run
         for step in range(8):
-            await holder.push(0, holder.version, ones, 1, 0.0, (0, step + 1))
+            await holder.push(0, 1, holder.version, ones, 1, 0.0, (0, step + 1))
         now = await holder.state_at(3)  # already past: the current state
         pending = asyncio.ensure_future(holder.state_at(100))
         await asyncio.sleep(0)
@@ -432,10 +401,10 @@ def test_an_average_near_the_float32_limit_is_taken_as_a_weighted_sum():
         holder = ParameterHolder(zeros_holder(4, workers=2, mode="sync"))
         for w in range(2):
             await holder.join(w, None, holder.layout)
-        pushes = [holder.push(w, 0, np.full(4, v, dtype=np.float32), 1, 0.0, (0, 1))
+        pushes = [holder.push(w, 1, 0, np.full(4, v, dtype=np.float32), 1, 0.0, (0, 1))
                   for w, v in enumerate(values)]
         (params, version), _ = await asyncio.gather(*pushes)
-        refused = holder.refused
+        refused = holder._host.refused
         await holder.close()
         return params.copy(), version, refused
 

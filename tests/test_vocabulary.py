@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dasktrain as dt
-from dasktrain.trainer.driver.vocabulary import VocabularyError, check_vocabulary, computing
+from dasktrain.trainer.driver.vocabulary import VocabularyError, check_vocabulary
 from tests.common.training import TinyLM, next_token_loss
 
 
@@ -58,12 +58,12 @@ def test_an_embedding_that_holds_the_vocabulary_passes_whatever_else_is_small(cl
     assert trainer.predict(tokens, client=client).shape == (len(tokens), 16, 257)
 
 
-def test_the_check_a_fit_makes_names_both_sizes_and_leaves_the_model_alone(tokens):
+def test_a_fit_names_both_sizes_before_any_work_and_leaves_the_model_alone(client, tokens):
     trainer = _trainer(200)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with pytest.raises(VocabularyError, match=r"fit: the model's embedding 'embed' has 200 "
                                               r"rows, fewer than the 257 ids"):
-        check_vocabulary(trainer.model, tokens, False, computing(trainer.compute), "fit")
+        trainer.fit(tokens, epochs=1, client=client)
     assert trainer.model.training  # the probe ran on a copy
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(),
                                                  strict=True))

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from dasktrain.trainer.holder.membership import Membership, Watchdog
+from dasktrain.trainer.holder.roster import Roster
+from dasktrain.trainer.holder.watchdog import Watchdog
 
 
 def test_a_failed_round_does_not_end_the_watch():
     async def scenario() -> tuple[list[tuple[int, str]], int]:
-        members = Membership(2)
-        members.set(0, "active", address="tcp://127.0.0.1:1")  # a worker that died
-        members.set(1, "active", address="tcp://127.0.0.1:2")
+        members = Roster(2)
+        members.admit(0, "tcp://127.0.0.1:1", "active")  # a worker that died
+        members.admit(1, "tcp://127.0.0.1:2", "active")
         dropped: list[tuple[int, str]] = []
         done = asyncio.Event()
         calls = 0

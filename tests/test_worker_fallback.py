@@ -14,10 +14,9 @@ import torch
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.holder.actor import ParameterHolder
-from dasktrain.trainer.worker import kept
 from dasktrain.trainer.worker.compute import BatchCompute
-from dasktrain.trainer.worker.epoch import Replica
-from dasktrain.trainer.worker.loop import WorkerConfig, _train
+from dasktrain.trainer.worker.epoch import Replica, train_epoch
+from dasktrain.trainer.worker.loop import WorkerConfig, _join
 from tests.common.training import mse, zeros, zeros_holder
 
 WIDTH = 4  # the features of the ``regression`` dataset
@@ -52,7 +51,7 @@ def test_pushes_after_a_fall_back_to_the_actor_are_not_counted_as_bucketed(clien
     try:
         replica = Replica(worker, handle, FlatModel(worker.model(), torch.device("cpu")),
                           torch.device("cpu"), 0, None)
-        result = _train(replica, 0, 2, time.perf_counter(), kept.fit_key(holder))
+        result = train_epoch(replica, _join(replica), 0, time.perf_counter(), False)
     finally:
         handle.close()
         holder.close().result(timeout=30)

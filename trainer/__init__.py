@@ -3,8 +3,10 @@
 from dasktrain.trainer import optim
 from dasktrain.trainer.driver.trainer import Trainer
 from dasktrain.trainer.errors import (
+    Fenced,
     HolderLost,
     InvalidLoss,
+    ShardedWorkerLost,
     TrainerError,
     TrainingDiverged,
     WorkersPaused,
@@ -19,6 +21,7 @@ from dasktrain.trainer.view.callbacks import (
 )
 from dasktrain.trainer.view.history import History
 
-__all__ = ["MODES", "Callback", "EarlyStopping", "History", "HolderConfig", "HolderLost",
-           "InvalidLoss", "ModelCheckpoint", "ParameterHolder", "ReduceLROnPlateau", "Trainer",
-           "TrainerError", "TrainingDiverged", "WorkersPaused", "get_mode", "optim"]
+__all__ = ["MODES", "Callback", "EarlyStopping", "Fenced", "History", "HolderConfig",
+           "HolderLost", "InvalidLoss", "ModelCheckpoint", "ParameterHolder",
+           "ReduceLROnPlateau", "ShardedWorkerLost", "Trainer", "TrainerError",
+           "TrainingDiverged", "WorkersPaused", "get_mode", "optim"]

@@ -124,3 +124,18 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def claim_marker(marker: Path, text: str) -> bool:
+    """Create ``marker`` holding ``text``, unless it exists (True if this call made it):
+    one process of many gets to act once per test. Written whole before it appears (a link
+    is made or refused at once), so another process that sees the marker reads it all."""
+    draft = marker.with_name(f"{marker.name}.{os.getpid()}")
+    draft.write_text(text)
+    try:
+        os.link(draft, marker)
+    except FileExistsError:
+        return False
+    finally:
+        draft.unlink()
+    return True

@@ -21,11 +21,20 @@ def merged_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
-                 previous_ends: dict[int, float] | None = None) -> dict[str, Any]:
+                 previous_ends: dict[int, float] | None = None,
+                 applied: int | None = None, applied_loss: float | None = None
+                 ) -> dict[str, Any]:
     """What epoch ``epoch`` did, over ``wall`` seconds, by the workers' ``reports``;
     ``previous_ends``: when each worker finished its last step of the epoch before (wall
-    clock), for the gap between the two epochs."""
-    samples = sum(r["samples"] for r in reports)
+    clock), for the gap between the two epochs; ``applied``: the samples the holder's
+    updates applied in the epoch, which count the work of a worker that died or left
+    without a report (else the reports' sum); ``applied_loss``: their mean loss, which
+    stands for the reports' (a dead worker's batches count too). The other training
+    metrics are the reports' own, over ``per_worker``'s samples."""
+    samples = applied if applied is not None else sum(r["samples"] for r in reports)
+    train = merged_metrics(reports)
+    if applied_loss is not None:
+        train["loss"] = float(applied_loss)
     gaps = {int(r["worker"]): _gap(r, previous_ends or {}) for r in reports}
     known = [g for g in gaps.values() if g is not None]
     return {
@@ -42,7 +51,7 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
         "gap_s": max(known) if known else None,
         # How each worker reached the holder: in its process, direct channel, actor.
         "exchange_via": dict(Counter(r["exchange_via"] for r in reports)),
-        "train": merged_metrics(reports),
+        "train": train,
         # Batches whose loss was not finite (on_nonfinite="skip"): refused by the
         # holder, and left out of "train" so that one bad batch cannot make it NaN.
         "skipped_steps": sum(int(r.get("skipped_nonfinite", 0)) for r in reports),

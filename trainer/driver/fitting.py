@@ -37,6 +37,7 @@ from dasktrain.trainer.driver.settings import (
     resolve_assignment,
     saved_settings,
 )
+from dasktrain.trainer.driver.vocabulary import check_vocabulary, computing
 from dasktrain.trainer.errors import TrainingDiverged
 from dasktrain.trainer.holder.config import HolderConfig
 from dasktrain.trainer.modes import mode_class
@@ -110,6 +111,10 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
         raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
     check_loss_given(trainer.compute)
     dataset, options = _resolve(trainer, data)
+    # Token ids beyond the model's embedding: refused by name here, not by a worker's
+    # bare IndexError.
+    check_vocabulary(trainer.model, dataset, options["as_dict"], computing(trainer.compute),
+                     "fit")
     if not options["as_dict"]:
         check_pair_batches(dataset)  # here, not in each worker's pipeline: before any task
     callbacks = as_callbacks(callbacks)
@@ -143,7 +148,7 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
         on_nonfinite=trainer.on_nonfinite,
         nonfinite_patience=trainer.nonfinite_patience, clip_grad_norm=trainer.clip_grad_norm,
         clip_grad_value=trainer.clip_grad_value, assignment=assignment,
-        elastic=trainer.min_workers < trainer.workers)
+        elastic=trainer.min_workers < trainer.workers, min_workers=trainer.min_workers)
     worker_config = WorkerConfig(
         model=trainer._factory, compute=trainer.compute, data=dataset,
         workers=trainer.workers, batch_size=trainer.batch_size, pipeline_options=options,
@@ -229,7 +234,8 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         ended = time.perf_counter()
         values, holder_state = run.boundary(epoch)
         trainer._load(values)
-        record = epoch_record(epoch, reports, ended - epoch_started, ends)
+        record = epoch_record(epoch, reports, ended - epoch_started, ends,
+                              applied=run.applied_samples, applied_loss=run.applied_loss)
         epoch_started = ended
         ends = epoch_ends(reports)
         if run.worker_config.assignment == "dynamic":
@@ -238,7 +244,7 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
                                             range(max(shares, default=-1) + 1)]
         if validation is not None:
             record["validation"] = trainer.evaluate(validation, client=client)
-        history.epochs.append(record)
+        run.record_epoch(record)
         run.show_epoch(record)
         history.wall_time = time.perf_counter() - started
         for callback in callbacks:  # before the save: their state goes in with it
@@ -247,7 +253,7 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         # rate factor): the state to keep is its own now, which save takes (None).
         run.save(complete_epochs=epoch + 1, holder_state=holder_state)
         if trainer.stop_training:
-            history.events.append(f"training stopped after epoch {epoch} by a callback")
+            run.add_events([f"training stopped after epoch {epoch} by a callback"])
             break
         if steered and epoch + 1 < epochs:
             run.queue(epoch + 1)

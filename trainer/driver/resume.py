@@ -14,7 +14,7 @@ from typing import Any
 from dasktrain._durable import StorageOptions
 from dasktrain.datasets import Dataset
 from dasktrain.trainer.driver.settings import TrainerSettings, resolve_assignment, run_settings
-from dasktrain.trainer.driver.update_log import UpdateLog, records_of
+from dasktrain.trainer.driver.update_log import UpdateLog, records_of, split_kinds
 from dasktrain.trainer.modes import mode_class
 from dasktrain.trainer.view.callbacks import Callback
 from dasktrain.trainer.view.history import History
@@ -29,14 +29,20 @@ def dataset_key(dataset: Dataset) -> str:
 
 def checkpoint_history(state: dict[str, Any], path: str | os.PathLike,
                        storage_options: StorageOptions | None = None) -> History:
-    """The History of a checkpoint: its summary, and the per-update records from the update
-    log beside it up to the checkpoint's version (a fit checkpoint) or from the file itself
-    (a :meth:`Trainer.save`)."""
+    """The History of a checkpoint: its summary, and the per-update records, events, claims
+    and epoch records from the run's log beside it up to the checkpoint's version (a fit
+    checkpoint) or from the file itself (a :meth:`Trainer.save`)."""
     history = History.from_dict(state["history"])
     if not history.version and "holder" in state:
         log = UpdateLog(path, storage_options=storage_options)
-        rows = log.read(up_to_version=int(state["holder"]["version"]))
-        history.extend(records_of(rows))
+        updates, others = split_kinds(log.read(up_to_version=int(state["holder"]["version"])))
+        history.extend(records_of(updates))
+        for name, items in others.items():
+            getattr(history, name).extend(items)
+        # An epoch's record is logged as of its boundary; a checkpoint of that very
+        # boundary counts only the epochs it says are complete.
+        complete = int(state.get("complete_epochs", len(history.epochs)))
+        history.epochs = [r for r in history.epochs if int(r["epoch"]) < complete]
     return history
 
 

@@ -1,23 +1,28 @@
 """One ``fit`` on a cluster: place the holder, run the worker tasks, watch them.
 
 The driver (the process that called ``fit``) never touches gradients. It starts the holder
-actor, submits one worker task per trainer worker for the whole fit (per epoch in an
-elastic run, whose workers change at epoch starts), and while they run it polls the holder
-for progress (a small message every half second), which also serves as the liveness
-check: a dead holder fails the fit at once with the checkpoint to resume from; a dead
-trainer worker is the holder's business (its barrier drops it) and Dask's (the task is
-rerun and rejoins). How many trainer workers run, and where, is :mod:`.elastic`'s decision.
+actor, submits one worker task per trainer worker for the whole fit, elastic or not, and
+while they run it polls the holder for progress (a small message every half second), which
+also serves as the liveness check: a dead holder fails the fit at once with the checkpoint
+to resume from; a dead trainer worker is the holder's business (its roster drops it) and
+Dask's (the task is run again and joins with a new incarnation). How many trainer workers
+run, and where, is :mod:`.elastic`'s decision; in an elastic run the driver starts a task
+on each Dask worker the cluster gains and, where work is claimed on demand, drops and
+cancels the one whose Dask worker left (its claims go back at once).
 
-Where tasks last the fit, the holder ends each epoch and begins the next one queued
-(:mod:`dasktrain.trainer.holder.turns`): the driver learns of the end from the holder,
+The holder ends each epoch and begins the next one queued
+(:mod:`dasktrain.trainer.holder.epochs`): the driver learns of the end from the holder,
 with a snapshot of the boundary for its validation, callbacks and checkpoint, while the
 workers train on. It queues the next epoch when the epoch starts, or only after the
 epoch-end callbacks that may steer the run (stop it, change the learning rate) returned.
+Checkpoints never go backwards: a mid-epoch state of the next epoch, polled before the
+boundary of this one was saved, waits for that save, and a save older than the last one
+written is refused.
 
-:class:`FitRun` stays one piece of some 570 lines: its methods are the steps of one run
-that all read and move the same state (the holder's handle and liveness, the epoch's
-tasks, the progress and checkpoint marks polled from the holder), and the failure paths
-between them (a lost holder, a failed worker) need all of it at once.
+:class:`FitRun` stays one piece of some 500 lines: its methods are the steps of one run
+that all read and move the same state (the holder's handle and liveness, the fit's tasks,
+the progress and checkpoint marks polled from the holder), and the failure paths between
+them (a lost holder, a failed worker) need all of it at once.
 """
 
 from __future__ import annotations
@@ -41,9 +46,14 @@ from dasktrain._durable import StorageOptions
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.driver.checkpoint import save_checkpoint
 from dasktrain.trainer.driver.elastic import WorkerPlaces
-from dasktrain.trainer.driver.update_log import UpdateLog
+from dasktrain.trainer.driver.update_log import KINDS, UpdateLog
 from dasktrain.trainer.driver.watch import PauseWatch
-from dasktrain.trainer.errors import HolderLost, TrainerError, TrainingDiverged
+from dasktrain.trainer.errors import (
+    HolderLost,
+    ShardedWorkerLost,
+    TrainerError,
+    TrainingDiverged,
+)
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import HolderShards
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
@@ -84,28 +94,38 @@ class FitRun:
         self.on_records = on_records
         self.epoch_summary: dict[str, str] = {}  # the last epoch's metrics, on the bar
         self.last_checkpoint: Path | None = None
-        self._saved_version = -1
+        self._saved = (-1, -1)  # (version, complete epochs) of the last checkpoint written
         self._pending_state: Any = None  # the holder's state_at call for the next checkpoint
         self._warned: set[tuple[str, str]] = set()
         self._log: UpdateLog | None = None
-        if checkpoint:  # the updates so far (a resumed run's) start the run's log
+        if checkpoint:  # what a resumed run recorded so far starts the run's log
             self._log = UpdateLog(checkpoint, storage_options=storage_options)
-            self._log.rewrite(history.records())
+            self._log.rewrite(history.records(), {name: getattr(history, name)
+                                                  for name in KINDS.values()},
+                              version=history.version[-1] if history.version else 0)
+        self._deferred: dict[str, Any] | None = None  # a state ahead of the boundary saved
         self._pauses = PauseWatch(client)
         self._plans: Pipeline | None = None
         self.shares: dict[int, int] = {}  # batches of the epoch taken per worker (dynamic)
         self.member_addresses: dict[int, str] = {}  # where each worker joined from
         self.member_states: dict[int, str] = {}  # each worker's, as the holder sees it
         self.work_left: int | None = None  # batches of the epoch not done (dynamic)
+        self.epoch = 0  # the epoch the driver runs (its boundary not yet saved)
+        self.holder_epoch = 0  # the holder's (it may be in the next already)
+        self.epoch_state = "idle"  # the holder's epoch machine's, or "short" of workers
+        self.applied_samples: int | None = None  # what the holder applied in the epoch
+        self.applied_loss: float | None = None  # their mean loss
+        self._boundary_version = 0  # the version at the last epoch boundary taken
         workers = worker_info(client)
         if not workers:
             raise TrainerError("the Dask cluster has no workers")
         self.addresses = sorted(workers)
         self._places = WorkerPlaces(client, min_workers or worker_config.workers,
                                     worker_config.workers, self.addresses, timeout)
-        if self.grows:  # a retired worker's trainer then leaves before its process goes
+        if self._places.elastic:  # a retired worker's trainer then leaves before it goes
             client.register_plugin(RetireWatch())
-        _warn_if_oversubscribed(worker_config, workers)
+        else:  # an elastic run has one trainer worker per Dask worker
+            _warn_if_oversubscribed(worker_config, workers)
         self._gpu = any("GPU" in (w.get("resources") or {}) for w in workers.values())
         if holder_worker is not None and holder_worker not in workers:
             raise ValueError(f"holder_worker {holder_worker!r} is not a worker of this "
@@ -139,11 +159,6 @@ class FitRun:
         self._fit_tasks: dict[Future, int] = {}  # tasks that last the fit, and their worker
         self._started = False  # the fit's tasks were started
         self.steered = False  # callbacks hold each next epoch: the holder's state is taken then
-
-    @property
-    def one_task(self) -> bool:
-        """Each trainer worker runs one task for the whole fit (not in an elastic run)."""
-        return not self._places.elastic
 
     def _await_holder(self, future: Future, target: str, timeout: float) -> Any:
         """The holder actor once it is built, failing within seconds if its worker is
@@ -183,76 +198,30 @@ class FitRun:
             self._take_checkpoint(ask_next=False)
         except Exception:
             logger.debug("no checkpoint from the lost holder", exc_info=True)
-        where = (f"resume with fit(..., resume={str(self.last_checkpoint)!r})"
-                 if self.last_checkpoint else
-                 "no checkpoint was written yet (pass checkpoint= to fit to have one)")
+        where = self._resume_hint()
         who = (self._handle.describe_lost() if isinstance(self._handle, HolderShards) else
                f"the parameter holder's worker {self.holder_address}")
         raise HolderLost(f"{who} died at version {self.version}; {where}")
 
+    def _resume_hint(self) -> str:
+        return (f"resume with fit(..., resume={str(self.last_checkpoint)!r})"
+                if self.last_checkpoint else
+                "no checkpoint was written yet (pass checkpoint= to fit to have one)")
+
     # -- epochs ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, fresh: bool, last: int, queue_next: bool = True
                   ) -> list[dict[str, Any]]:
-        """Run every worker's share of ``epoch`` (of a fit whose last epoch is ``last``);
-        returns their reports. ``queue_next``: let the next epoch begin as soon as this
-        one is complete (else :meth:`queue` it)."""
-        if self.one_task:
-            return self._run_fit_epoch(epoch, fresh, last, queue_next)
-        present, changed = self._places.start(epoch)
-        if changed is not None:
-            config = self.worker_config
-            how = ("each claims work as it goes" if config.assignment == "dynamic" else
-                   f"a step averages their {present} batches ({present * config.batch_size} "
-                   "samples)")
-            self.history.events.append(f"{changed}; {how}; the learning rate follows its "
-                                       "schedule")
-        self.call("begin_epoch", epoch, fresh, self._work(epoch), present)
-        ranks = {self._start(w, epoch, present, address): w
-                 for w, address in self._places.placed.items()}
-        reports: list[dict[str, Any]] = []
-        pending = set(ranks)
+        """Run ``epoch`` (of a fit whose last epoch is ``last``) until the holder finds it
+        complete; returns the workers' reports. The first call starts the fit's tasks;
+        ``queue_next``: let the next epoch begin as soon as this one is complete (else
+        :meth:`queue` it)."""
+        self.epoch = epoch
         try:
-            while pending:
-                try:
-                    done = wait(pending, timeout=_POLL, return_when="FIRST_COMPLETED").done
-                except TimeoutError:
-                    done = set()
-                for future in done:
-                    pending.discard(future)
-                    reports.extend(self._collect(future, ranks[future]))
-                    future.release()  # its result is in hand: see the finally below
-                if pending:  # the last one done: the poll below serves, once
-                    self.poll()
-                    if self.grows:
-                        self._follow_cluster(epoch, present, pending, ranks)
-        except BaseException as exc:
-            self._stop_workers(list(ranks), exc)
-            raise
-        finally:
-            # A finished task whose result Dask keeps runs again if that worker dies, and
-            # rejoins as a second task of its rank; Dask's wait may keep this frame's
-            # futures in a reference cycle: each is released, not only dropped from lists.
-            for future in ranks:
-                future.release()
-            ranks.clear()
-            pending.clear()
-        self.poll()
-        return reports
-
-    def _run_fit_epoch(self, epoch: int, fresh: bool, last: int, queue_next: bool
-                       ) -> list[dict[str, Any]]:
-        """:meth:`run_epoch` where each worker's task lasts the fit: the first epoch starts
-        them; the holder ends each epoch and begins the next one queued."""
-        try:
-            if not self._started:
-                self._started = True
-                present, _ = self._places.start(epoch)
-                self.call("begin_epoch", epoch, fresh, self._work(epoch), present, None,
-                          self._keep)
-                self._fit_tasks = {self._start(w, epoch, present, address, last): w
-                                   for w, address in self._places.placed.items()}
+            if not self._fit_tasks and not self._started:
+                self._start_fit(epoch, fresh, last)
             if queue_next and epoch < last:
                 self.queue(epoch + 1)
+            short_since: float | None = None
             while True:
                 end = self.call("epoch_end", epoch, _POLL)
                 self._check_fit_tasks()
@@ -266,6 +235,9 @@ class FitRun:
                 if end is not None:
                     break
                 self.poll()
+                if self._places.elastic:
+                    self._follow_cluster(last)
+                    short_since = self._short_of_workers(epoch, short_since)
         except BaseException as exc:
             self._stop_workers(list(self._fit_tasks), exc)
             self._release_fit_tasks()
@@ -273,7 +245,31 @@ class FitRun:
         self.poll()
         # Taken at the epoch's end: the holder may be in the next epoch already.
         self.shares = {int(w): int(n) for w, n in end["shares"].items()}
+        self.applied_samples = end.get("samples")
+        self.applied_loss = end.get("loss")
         return end["reports"]
+
+    def _start_fit(self, epoch: int, fresh: bool, last: int) -> None:
+        """Begin the fit's first epoch with the workers there are, and start their tasks."""
+        self._started = True
+        present, _ = self._places.start(epoch)
+        self.call("begin_epoch", epoch, fresh, self._work(epoch), present, self._keep)
+        self._fit_tasks = {self._start(w, epoch, last, address): w
+                           for w, address in self._places.placed.items()}
+
+    def _short_of_workers(self, epoch: int, since: float | None) -> float | None:
+        """Fail once the next epoch has waited ``timeout`` seconds for the least workers of
+        an elastic run; returns since when it waits (None: it does not)."""
+        if self.epoch_state != "short":
+            return None
+        now = time.monotonic()
+        since = now if since is None else since
+        if now - since > self.timeout:
+            places = self._places
+            raise TrainerError(f"the cluster did not reach {places.least} Dask worker(s) for "
+                               f"epoch {epoch} within {self.timeout:.0f}s (workers=("
+                               f"{places.least}, {places.most}))")
+        return since
 
     @property
     def _keep(self) -> str:
@@ -282,18 +278,14 @@ class FitRun:
 
     def queue(self, epoch: int) -> None:
         """Let ``epoch`` begin as soon as the one before is complete (now, if it is)."""
-        if not self.one_task:  # each epoch's tasks begin it
-            return
-        self.call("begin_epoch", epoch, True, self._work(epoch), self._places.world,
-                  epoch - 1, self._keep)
+        self.call("queue_epoch", epoch, self._work(epoch), self._keep)
 
     def boundary(self, epoch: int) -> tuple[Any, dict[str, Any] | None]:
         """The parameters (then buffers) at the end of ``epoch``, and the holder's whole
         state then where the run checkpoints (None where callbacks steer: the state to
         keep is the holder's once they returned)."""
-        if not self.one_task:  # its tasks are done: the holder is where the epoch ended
-            return self.parameters(), None
         state = self.call("boundary", epoch)
+        self._boundary_version = int(state["version"])
         values = torch.cat([state["params"], state["buffers"]]).numpy()
         return values, (state if self._keep == "state" else None)
 
@@ -308,18 +300,22 @@ class FitRun:
             return
         try:
             self.call("end_fit", "the fit is over")
-            done = wait(list(self._fit_tasks), timeout=_GATHER).done
+            try:
+                done = wait(list(self._fit_tasks), timeout=_GATHER).done
+            except TimeoutError:  # a task whose Dask worker left (retired) never ends
+                done = {f for f in self._fit_tasks if f.done()}
             busy = [f for f in self._fit_tasks if f not in done]
             if busy:
                 self._stop_workers(busy, TrainerError("the fit was stopped"))
             for future in done:
                 self._collect(future, self._fit_tasks[future])
+            self.poll()  # what the holder recorded as the workers left, for the History
         finally:
             self._release_fit_tasks()
 
     def _check_fit_tasks(self) -> None:
         """A task that ended before the fit did: its failure ends the fit; one Dask gave
-        up on is no longer waited for."""
+        up on is no longer waited for; one that stepped aside or retired is let go."""
         for future in [f for f in self._fit_tasks if f.done()]:
             worker = self._fit_tasks.pop(future)
             try:
@@ -333,48 +329,42 @@ class FitRun:
             future.release()
         self._fit_tasks = {}
 
-    def _start(self, worker: int, epoch: int, world: int, address: str,
-               last: int | None = None) -> Future:
-        """Submit ``worker``'s task for ``epoch`` (of ``world`` strides; to ``last`` where
-        it lasts the fit), placed on ``address`` if it can run there."""
+    def _start(self, worker: int, first: int, last: int, address: str) -> Future:
+        """Submit ``worker``'s task for the fit (from epoch ``first`` to ``last``), placed
+        on ``address`` if it can run there."""
         extra = {"resources": {"GPU": 1}} if self._gpu else {}
-        what = f"epoch-{epoch}" if last is None else "fit"
         # A run that grows keeps one replica per Dask worker: a task whose worker goes is
-        # cancelled (see _forget_gone), not rerun beside another.
+        # cancelled (see _follow_cluster), not run again beside another.
         return self.client.submit(
-            run_worker, self.worker_config, self.holder, worker, epoch, world, last,
-            pure=False, key=f"dasktrain-trainer-{worker}-{what}-{time.time_ns()}",
+            run_worker, self.worker_config, self.holder, worker, first, last,
+            pure=False, key=f"dasktrain-trainer-{worker}-fit-{time.time_ns()}",
             workers=[address], allow_other_workers=not self.grows, **extra)
 
-    def _follow_cluster(self, epoch: int, present: int, pending: set[Future],
-                        ranks: dict[Future, int]) -> None:
-        """Cancel the tasks whose Dask worker left (their claims go back to the pool now,
-        not once the holder's watchdog finds them gone) or that still start when the
-        epoch is done; start one on each Dask worker the cluster gained."""
+    def _follow_cluster(self, last: int) -> None:
+        """Start a task on each Dask worker the cluster gained (it joins the holder: claims
+        work at once, or, where ranks own a stride, takes part from the next epoch on);
+        where work is claimed, drop and cancel the tasks whose Dask worker left (their
+        claims go back to the pool now, not once the holder's watchdog finds them gone)."""
         workers = self._handle.last_workers or worker_info(self.client)
-        by_rank = {ranks[f]: f for f in pending}
-        stale = [w for w in by_rank if self.work_left == 0
-                 and self.member_states.get(w) == "absent"]
-        gone = self._places.gone(set(by_rank), workers)
-        for w in {*stale, *gone}:
-            pending.discard(by_rank[w])
-            self.client.cancel(by_rank[w])
-            if w in gone:
+        by_worker = {w: f for f, w in self._fit_tasks.items()}
+        if self.grows:
+            for w in self._places.gone(set(by_worker), workers):
+                future = by_worker.pop(w)
+                del self._fit_tasks[future]
+                self.client.cancel(future)
+                future.release()
                 self.call("drop", w, f"its Dask worker {self._places.placed[w]} left the "
                                      "cluster")
-        if self.work_left == 0:  # nothing left to hand out this epoch
-            return
-        # Every worker that had a task this epoch (running or finished) keeps its place.
-        busy = set(ranks.values())
-        for w, address in self._places.gained(busy, self.member_addresses, workers).items():
-            future = self._start(w, epoch, present, address)
-            ranks[future] = w
-            pending.add(future)
+        if self.work_left == 0 and self.holder_epoch >= last:
+            return  # nothing left to hand out in the fit
+        for w, address in self._places.gained(set(by_worker), self.member_addresses,
+                                              workers).items():
+            self._fit_tasks[self._start(w, self.epoch, last, address)] = w
 
     @property
     def grows(self) -> bool:
-        """Workers the cluster adds mid-epoch are taken up (a range of workers, and work
-        claimed on demand)."""
+        """Workers the cluster adds mid-epoch take work at once, and those it loses hand
+        theirs back at once (a range of workers, and work claimed on demand)."""
         return self._places.elastic and self.worker_config.assignment == "dynamic"
 
     def _work(self, epoch: int) -> tuple[int, list[int]] | None:
@@ -390,19 +380,20 @@ class FitRun:
     def _collect(self, future: Future, worker: int, give_up: str = "drop"
                  ) -> list[dict[str, Any]]:
         try:
-            # Done: the report is there to fetch, unless the Dask worker holding it was
-            # retired meanwhile (an elastic run); the holder has its work on record.
-            report = future.result(timeout=_GATHER if self.grows else None)
+            # Done: the report is there to fetch, unless the Dask worker holding it left
+            # meanwhile (retired, or killed): Dask would then run the whole task again to
+            # recompute it. The holder has its work on record: it is let go instead.
+            report = future.result(timeout=_GATHER)
         except TimeoutError:
             self.client.cancel(future)
-            self.history.events.append(f"worker {worker}: its report was lost with its "
-                                       "Dask worker")
+            self.add_events([f"worker {worker}: its task's answer was lost with its Dask "
+                             "worker"])
             return []
         except (FutureCancelledError, Exception) as exc:
             if type(exc).__name__ == "KilledWorker":
                 # Its process died more often than Dask retries; the others carry on, and
                 # the barrier must not wait for it any longer.
-                self.history.events.append(f"worker {worker} given up: {exc}")
+                self.add_events([f"worker {worker} given up: {exc}"])
                 self.call(give_up, worker, "its task was given up (KilledWorker)")
                 return []
             failure = WorkerFailure(exc, "")  # Dask's own (cancelled, lost): no traceback
@@ -441,10 +432,15 @@ class FitRun:
         progress = self.call("progress")
         self.version = progress["version"]
         self.history.extend(progress["records"])
+        claims = [[progress["epoch"], *c] for c in progress["claims"]]
         if self._log is not None:
             self._log.append(progress["records"])
-        self.history.events.extend(progress["events"])
-        self.history.claims.extend([progress["epoch"], *c] for c in progress["claims"])
+            self._log.append_items("claim", claims, self.version)
+        self.add_events(progress["events"])
+        self.history.claims.extend(claims)
+        self.history.fenced_calls = int(progress.get("fenced", 0))
+        self.epoch_state = progress.get("epoch_state", "running")
+        self.holder_epoch = int(progress["epoch"])
         self.shares = {int(w): int(n) for w, n in progress["shares"].items()}
         self.member_addresses = {int(w): a for w, a in progress["addresses"].items() if a}
         self.member_states = {int(w): s for w, s in progress["members"].items()}
@@ -453,6 +449,8 @@ class FitRun:
         self._forward(progress["notices"])
         if progress["diverged"] is not None:
             raise TrainingDiverged(progress["diverged"])
+        if isinstance(progress.get("error"), ShardedWorkerLost):
+            raise ShardedWorkerLost(f"{progress['error']}: {self._resume_hint()}")
         # The liveness check before the progress call has just fetched the workers.
         self._pauses.check(self.version, f"training (epoch {progress['epoch']})",
                            self._handle.last_workers)
@@ -482,19 +480,34 @@ class FitRun:
             if key in self._warned:
                 continue
             self._warned.add(key)
-            self.history.events.append(f"worker {notice['worker']} warned: "
-                                       f"{notice['category']}: {notice['message']}")
+            self.add_events([f"worker {notice['worker']} warned: "
+                             f"{notice['category']}: {notice['message']}"])
             warnings.warn(f"trainer worker {notice['worker']}: {notice['message']}",
                           _category(notice["category"]), stacklevel=2)
+
+    def add_events(self, events: list[str]) -> None:
+        """Events for the History (and the run's log)."""
+        self.history.events.extend(events)
+        if self._log is not None:
+            self._log.append_items("event", events, self.version)
+
+    def record_epoch(self, record: dict[str, Any]) -> None:
+        """An epoch's record for the History (and the run's log, as of its boundary)."""
+        self.history.epochs.append(record)
+        if self._log is not None:
+            self._log.append_items("epoch_record", [record], self._boundary_version)
 
     def _take_checkpoint(self, ask_next: bool = True) -> None:
         """Write the state the holder captured at the last ``checkpoint_every`` mark, and
         ask for the next one. The holder takes it at the exact update, and the answer
         reaches this process at once: a holder that dies between two polls has still
-        handed it over."""
+        handed it over. A state of an epoch after the one whose boundary the driver has
+        yet to save waits for that save (``ask_next=False``: the holder is lost, and it is
+        written now)."""
         if not (self.checkpoint and self.checkpoint_every):
             return
         pending = self._pending_state
+        start = self.version
         if pending is not None:
             if not pending.done():
                 return
@@ -506,11 +519,14 @@ class FitRun:
                     self._holder_lost()
                 raise TrainerError(f"the parameter holder could not hand over its state: "
                                    f"{type(exc).__name__}: {exc}") from exc
-            if state["version"] > self._saved_version:
-                self.save(complete_epochs=None, holder_state=state)
-            start = state["version"]
-        else:
-            start = self.version
+            self._deferred = state
+        if self._deferred is not None:
+            state = self._deferred
+            if int(state["epoch"]) > self.epoch and ask_next:
+                return  # written after the boundary save (see save)
+            self._deferred = None
+            self.save(complete_epochs=None, holder_state=state)
+            start = int(state["version"])
         if ask_next:
             self._pending_state = self._handle.call("state_at", start + self.checkpoint_every)
 
@@ -522,19 +538,29 @@ class FitRun:
             return
         if holder_state is None:
             holder_state = self.call("state_dict")
-        extra = self.checkpoint_extra()
+        version = int(holder_state["version"])
+        boundary = complete_epochs is not None
         if complete_epochs is None:
             complete_epochs = int(holder_state["epoch"])
+        if (version, complete_epochs) < self._saved:  # never backwards
+            logger.warning("a checkpoint at version %d (%d epochs complete) was not written: "
+                           "the one at version %d (%d) is newer", version, complete_epochs,
+                           *self._saved)
+            return
+        extra = self.checkpoint_extra()
         if self._log is not None:
             self._log.sync()
-        # Small and of constant size: the per-update records are in the update log.
+        # Of constant size: what grows with the run is in the run's log (see update_log).
+        summary = self.history.to_dict(per_update=False)
+        summary.update({name: [] for name in KINDS.values()})
         self.last_checkpoint = save_checkpoint(self.checkpoint, {
             "holder": holder_state, "complete_epochs": complete_epochs,
-            "history": self.history.to_dict(per_update=False), **extra},
-            storage_options=self.storage_options)
-        self._saved_version = int(holder_state["version"])
-        logger.info("checkpoint at version %d: %s", holder_state["version"],
-                    self.last_checkpoint)
+            "history": summary, **extra}, storage_options=self.storage_options)
+        self._saved = (version, complete_epochs)
+        logger.info("checkpoint at version %d: %s", version, self.last_checkpoint)
+        if boundary:
+            self.epoch = complete_epochs  # a state of the next epoch may be written now
+            self._take_checkpoint()
 
     def parameters(self) -> Any:
         params, version = self.call("pull")

@@ -1,16 +1,24 @@
-"""Per-update records beside a checkpoint, appended as they come (JSON lines).
+"""The run's log beside a checkpoint, appended as things happen (JSON lines): one line per
+update, and the History's events, claims and epoch records.
 
-A checkpoint is rewritten whole at every save; if it carried every update's record, a long
-run's checkpoint I/O would grow with the square of its length. The checkpoint therefore
-holds the run's summary (epochs, events, counters) and this file holds one line per update:
-its fields (:data:`~dasktrain.trainer.holder.records.PER_UPDATE`) as values and each per-gradient
-field as a list with one entry per gradient recorded for it (``"staleness": […],
-"staleness_worker": […], "scale": […], …``). A resume keeps the lines up to the
-checkpoint's version (later ones are redone) and rewrites the file to those.
+A checkpoint is rewritten whole at every save; if it carried every update's record, or
+every event, claim and epoch record, a long run's checkpoint would grow with the run and
+its I/O with the square of its length. The checkpoint therefore holds the run's counters
+and settings only, of constant size, and this file holds the rest:
+
+* one line per update: its fields (:data:`~dasktrain.trainer.holder.records.PER_UPDATE`)
+  as values and each per-gradient field as a list with one entry per gradient recorded
+  for it (``"staleness": […], "staleness_worker": […], "scale": […], …``);
+* ``{"version": v, "event": text}``, ``{"version": v, "claim": [epoch, version, worker,
+  first, stop]}`` and ``{"version": v, "epoch_record": {...}}``, ``v`` being the holder's
+  version when the driver learned of it.
+
+A resume keeps the lines up to the checkpoint's version (later ones are redone) and
+rewrites the file to those.
 
 Object storage has no append: beside a checkpoint at a URL the log is kept in memory and
 uploaded whole (one PUT, atomic) by :meth:`UpdateLog.sync`, which runs before every
-checkpoint, so the object always holds at least the updates its checkpoint counts.
+checkpoint, so the object always holds at least what its checkpoint counts.
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ from dasktrain._durable import (
 from dasktrain.trainer.driver.checkpoint import checkpoint_file
 from dasktrain.trainer.holder.records import PER_GRADIENT, PER_UPDATE
 
-__all__ = ["UpdateLog", "records_of", "rows_of"]
+__all__ = ["KINDS", "UpdateLog", "records_of", "rows_of", "split_kinds"]
+
+#: The kinds of line besides updates, and the History's list each goes to.
+KINDS = {"event": "events", "claim": "claims", "epoch_record": "epochs"}
 
 def rows_of(records: dict[str, list]) -> Iterator[dict[str, Any]]:
     """Column lists (as the holder reports them) as one dict per update: per-update
@@ -42,6 +53,20 @@ def rows_of(records: dict[str, list]) -> Iterator[dict[str, Any]]:
         row.update({name: records[name][at : at + n] for name in per_gradient})
         at += n
         yield row
+
+
+def split_kinds(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
+                                                     dict[str, list[Any]]]:
+    """The update rows of ``rows``, and the other kinds' items by History list name."""
+    updates: list[dict[str, Any]] = []
+    others: dict[str, list[Any]] = {name: [] for name in KINDS.values()}
+    for row in rows:
+        kind = next((k for k in KINDS if k in row), None)
+        if kind is None:
+            updates.append(row)
+        else:
+            others[KINDS[kind]].append(row[kind])
+    return updates, others
 
 
 def records_of(rows: list[dict[str, Any]]) -> dict[str, list]:
@@ -92,15 +117,18 @@ class UpdateLog:
             if not line.endswith("\n"):
                 break  # a line cut short by a crash: the checkpoint never counted it
             row = json.loads(line)
-            if up_to_version is not None and row["version"] > up_to_version:
-                break
-            rows.append(row)
+            if up_to_version is None or row["version"] <= up_to_version:
+                rows.append(row)
         return rows
 
-    def rewrite(self, records: dict[str, list]) -> None:
-        """Replace the file with ``records`` (atomically), e.g. when a run starts or
-        resumes."""
+    def rewrite(self, records: dict[str, list], others: dict[str, list[Any]] | None = None,
+                version: int = 0) -> None:
+        """Replace the file with ``records`` and the ``others`` kinds (by History list name,
+        as of ``version``) atomically, e.g. when a run starts or resumes."""
         lines = [json.dumps(row) + "\n" for row in rows_of(records)]
+        for kind, name in KINDS.items():
+            lines += [json.dumps({"version": version, kind: item}) + "\n"
+                      for item in (others or {}).get(name, [])]
         if self.url is not None:
             write_bytes_atomic(self.url, "".join(lines).encode(), self.storage_options)
             self._lines, self._pending = lines, []
@@ -116,9 +144,16 @@ class UpdateLog:
 
     def append(self, records: dict[str, list]) -> None:
         """Add the updates of ``records`` (column lists, as the holder reports them)."""
-        if not records["version"]:
-            return
-        lines = [json.dumps(row) + "\n" for row in rows_of(records)]
+        if records["version"]:
+            self._write([json.dumps(row) + "\n" for row in rows_of(records)])
+
+    def append_items(self, kind: str, items: list[Any], version: int) -> None:
+        """Add ``items`` of ``kind`` (a key of :data:`KINDS`), learned of at ``version``."""
+        if items:
+            self._write([json.dumps({"version": version, kind: item}) + "\n"
+                         for item in items])
+
+    def _write(self, lines: list[str]) -> None:
         if self.url is not None:
             self._pending.extend(lines)
             return

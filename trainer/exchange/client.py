@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dasktrain.trainer.errors import HolderLost, TrainerError
+from dasktrain.trainer.errors import Fenced, HolderLost, TrainerError
 from dasktrain.trainer.exchange import shared
 from dasktrain.trainer.exchange.arrival import Arrival
 from dasktrain.trainer.exchange.buckets import reply_order
@@ -32,6 +32,7 @@ from dasktrain.trainer.exchange.link import HolderLink, Wait
 from dasktrain.trainer.exchange.protocol import (
     ACCEPTED,
     CONNECT_TIMEOUT,
+    FENCED,
     HELLO,
     OK,
     PUSH,
@@ -228,8 +229,11 @@ class ChannelClient:
         if status != OK:
             message = bytearray(nbytes)
             self._link.recv_into(memoryview(message), wait)
+            text = message.decode(errors="replace")
+            if status == FENCED:
+                raise Fenced(self._worker, int(self._contact["incarnation"]), text, what)
             error = ValueError if status == VALUE_ERROR else TrainerError
-            raise error(message.decode(errors="replace"))
+            raise error(text)
         view = memoryview(self._params).cast("B")
         if nbytes != view.nbytes:
             self.close()
@@ -277,7 +281,8 @@ class ChannelClient:
         link = self._link = self._open(timeout)
         try:
             tune(link.sock)
-            link.sock.sendall(HELLO.pack(self._contact["token"], self._worker))
+            link.sock.sendall(HELLO.pack(self._contact["token"], self._worker,
+                                         int(self._contact["incarnation"])))
             wait = Wait(timeout, "the holder to accept the connection")
             accepted = bytearray(1)
             link.recv_into(memoryview(accepted), wait, handshake=True)

@@ -16,14 +16,24 @@ from typing import Any
 
 from dasktrain.trainer.exchange.buckets import bucket_order
 from dasktrain.trainer.exchange.landing import Arriving
-from dasktrain.trainer.exchange.server import ChannelServer, SharedReply, channel_host
+from dasktrain.trainer.exchange.server import ChannelServer, SharedReply
 from dasktrain.trainer.flat import FlatLayout
 
-__all__ = ["HolderChannel"]
+__all__ = ["HolderChannel", "channel_host"]
 
 logger = logging.getLogger(__name__)
 
 Exchange = Callable[..., Awaitable[Any]]  # the holder's exchange, called for each push
+
+
+def channel_host(worker_address: str) -> str | None:
+    """The host to listen on for a worker at ``worker_address``; None where the cluster's
+    comm is not plain TCP."""
+    scheme, _, rest = worker_address.partition("://")
+    if scheme != "tcp" or not rest:
+        return None
+    host = rest.rsplit(":", 1)[0]
+    return host.strip("[]")
 
 
 class HolderChannel:
@@ -62,9 +72,10 @@ class HolderChannel:
         self.server: ChannelServer | None = None
         """The channel's server, once open."""
 
-    async def contact(self, worker: int) -> dict[str, Any] | None:
-        """Where ``worker`` connects for pushes, with its own token (None: it pushes through
-        the actor); the listener opens on first use, and once it failed to, never again."""
+    async def contact(self, worker: int, incarnation: int) -> dict[str, Any] | None:
+        """Where ``worker``'s ``incarnation`` connects for pushes, with its own token (None:
+        it pushes through the actor); the listener opens on first use, and once it failed
+        to, never again."""
         if not self._enabled:
             return None
         if self.server is None:
@@ -85,7 +96,7 @@ class HolderChannel:
                 self._enabled = False
                 return None
             self.server = server
-        return self.server.contact(worker)
+        return self.server.contact(worker, incarnation)
 
     @property
     def address(self) -> tuple[str, int] | None:

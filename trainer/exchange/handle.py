@@ -1,6 +1,7 @@
 """Calling the holder from a trainer worker: in-process when they share a process, pushes
 over a direct channel (else the actor's RPC) otherwise, and never waiting without a deadline
-and a liveness check.
+and a liveness check. After its join, every call of the worker carries the incarnation the
+holder handed out (see :mod:`dasktrain.trainer.holder.roster`).
 
 A worker whose channel cannot be reached pushes through the actor, and returns to the
 channel as soon as an attempt in the background gets through (see :mod:`.reconnect`); the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from distributed import Client, get_client, get_worker
 
 from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
+from dasktrain.trainer import faults
 from dasktrain.trainer.errors import HolderLost, TrainerError
 from dasktrain.trainer.exchange.arrival import Arrival
 from dasktrain.trainer.exchange.client import ChannelClient, PendingPush
@@ -60,6 +63,8 @@ class HolderHandle:
         # shared with the holder over the first channel: see share).
         self._into: np.ndarray | None = None
         self._worker: int | None = None
+        self.incarnation = 0  # the holder's for this worker's task, from its join
+        self._address: str | None = None  # the worker's Dask address, as it joined
         self._contact: dict[str, Any] | None = None  # the channel's, as join got it
         self._size = 0
         self._return: ChannelReturn[ChannelClient] | None = None  # while on the actor
@@ -86,13 +91,14 @@ class HolderHandle:
         return "local" if self.local else "direct" if self._channel is not None else "actor"
 
     def join(self, worker: int, address: str | None, layout: FlatLayout,
-             into: np.ndarray | None = None, epoch: int | None = None) -> dict[str, Any]:
-        """Join the holder as ``worker`` (a task of ``epoch``); opens the direct channel
+             into: np.ndarray | None = None) -> dict[str, Any]:
+        """Join the holder as ``worker`` (a new incarnation of it); opens the direct channel
         for pushes if offered, whose replies are received into ``into`` when given."""
-        info = self.request("join", worker, address, layout, epoch,
+        info = self.request("join", worker, address, layout,
                             what=f"worker {worker} to join")
         self._into = into
-        self._worker = worker
+        self._worker, self._address = worker, address
+        self.incarnation = int(info.get("incarnation", 0))
         if self._client is None:
             # Resolved here, in the task's thread: the channel's sender thread checks the
             # holder's liveness too, and a worker's client is found from task threads only.
@@ -113,17 +119,44 @@ class HolderHandle:
                 self._fall_back(exc)
         return info
 
-    def next_epoch(self, worker: int, after: int, address: str | None,
-                   report: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def member_call(self, method: str, *args: Any) -> Any:
+        """Start ``method(worker, incarnation, *args)`` on the holder: a call of this
+        worker's incarnation, which the holder refuses once it is not current."""
+        assert self._worker is not None, "join first"
+        return self.call(method, self._worker, self.incarnation, *args)
+
+    def member_request(self, method: str, *args: Any, what: str | None = None) -> Any:
+        """:meth:`member_call` and wait."""
+        return self.wait(self.member_call(method, *args), what or method)
+
+    def next_epoch(self, after: int, report: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> dict[str, Any] | None:
         """Leave epoch ``after`` with ``report`` and get what :meth:`join` answers for the
         next epoch once the holder began it, keeping this worker's channel; None once the
-        fit is over for it."""
+        fit is over for it.
+
+        The holder answers every ``_NEXT_WAIT`` seconds with what the epoch waits for: the
+        driver's work at the boundary (validation, callbacks: as long as it takes, the
+        holder living on being the sign that the driver does), or the other workers and
+        the cluster, which may not take longer than ``timeout`` seconds (default: the
+        handle's) in all."""
+        worker = self._worker
+        seconds = self.timeout if timeout is None else timeout
+        since = time.monotonic()
         while True:
-            info = self.request("next_epoch", worker, after, address, _NEXT_WAIT, report,
-                                what=f"epoch {after + 1} for worker {worker}")
+            future = self.member_call("next_epoch", after, self._address, _NEXT_WAIT, report)
+            if report is not None:
+                faults.reached("boundary", worker=worker, epoch=after)
+            info = self.wait(future, f"epoch {after + 1} for worker {worker}")
             if not info.get("wait"):
                 return None if "end" in info else info
             report = None  # it left with the first question
+            if info["wait"] == "driver":
+                since = time.monotonic()
+            elif time.monotonic() - since > seconds:
+                raise TrainerError(
+                    f"worker {worker} waited {seconds:.0f}s for epoch {after + 1} to begin: "
+                    f"the holder still waits for the {info['wait']} (timeout={seconds:g})")
 
     def _open_channel(self, **options: Any) -> ChannelClient:
         assert self._contact is not None and self._worker is not None
@@ -160,8 +193,8 @@ class HolderHandle:
             # One attempt each, on a thread of its own: see ChannelReturn.
             self._return = ChannelReturn(lambda: self._open_channel(connect_within=0.0),
                                          ChannelClient.stop)
-        self.request("exchange_changed", self._worker, "actor", str(exc),
-                     what=f"worker {self._worker}'s move to the actor")
+        self.member_request("exchange_changed", "actor", str(exc),
+                            what=f"worker {self._worker}'s move to the actor")
 
     def _current_channel(self) -> ChannelClient | None:
         """The direct channel, if this worker is on it: one a return attempt made is taken
@@ -172,8 +205,8 @@ class HolderHandle:
                 self._return = None
                 self._channel = back
                 logger.info("worker %d is back on the holder's channel", self._worker)
-                self.request("exchange_changed", self._worker, "direct",
-                             what=f"worker {self._worker}'s return to the channel")
+                self.member_request("exchange_changed", "direct",
+                                    what=f"worker {self._worker}'s return to the channel")
         return self._channel
 
     def share(self, adopt: Callable[[np.ndarray, np.ndarray], bool]) -> bool:
@@ -195,10 +228,11 @@ class HolderHandle:
             return None
         return "shared" if self._channel.shared is not None else self._channel.transport
 
-    def push(self, worker: int, version: int, payload: Any, count: int, loss: float,
+    def push(self, version: int, payload: Any, count: int, loss: float,
              position: tuple[int, int]) -> Any:
-        """Start a push (see :meth:`ParameterHolder.push`); :meth:`wait` for its reply, the
-        parameters (valid until the next push) and their version."""
+        """Start a push of this worker's incarnation (see :meth:`ParameterHolder.push`);
+        :meth:`wait` for its reply, the parameters (valid until the next push) and their
+        version."""
         channel = self._current_channel()
         if channel is not None:
             try:
@@ -209,8 +243,8 @@ class HolderHandle:
             # The reply is leased: copied into ``into`` by :meth:`wait` and given back, or
             # lent (see lend_replies) until now, when the worker is done reading it.
             self._give_back()
-            return self.call("exchange", worker, version, payload, count, loss, position)
-        return self.call("push", worker, version, payload, count, loss, position)
+            return self.member_call("exchange", version, payload, count, loss, position)
+        return self.member_call("push", version, payload, count, loss, position)
 
     def begin_push(self, version: int, count: int, loss: float, position: tuple[int, int],
                    payload: np.ndarray) -> OutgoingPush | WholePush:
@@ -225,7 +259,7 @@ class HolderHandle:
             except ChannelUnavailable as exc:  # nothing was sent
                 self._fall_back(exc)
         assert self._worker is not None, "join first"
-        return WholePush(self, self._worker, version, count, loss, position, payload)
+        return WholePush(self, version, count, loss, position, payload)
 
     @property
     def order(self) -> tuple[tuple[int, int], ...] | None:
@@ -337,10 +371,10 @@ class WholePush:
     """A push begun as one sent bucket by bucket (see :meth:`HolderHandle.begin_push`) that
     goes whole once the payload is finished: the same calls, nothing sent early."""
 
-    def __init__(self, handle: HolderHandle, worker: int, version: int, count: int,
+    def __init__(self, handle: HolderHandle, version: int, count: int,
                  loss: float, position: tuple[int, int], payload: np.ndarray) -> None:
         self._handle = handle
-        self._push = (worker, version, payload, count, loss, position)
+        self._push = (version, payload, count, loss, position)
 
     def ready(self, bucket: int) -> None:
         """Nothing is sent before :meth:`finish`."""

@@ -64,6 +64,7 @@ class Landing:
             return self._landed > index
 
 
-#: ``(worker, version, count, loss, payload, landing)``: a push's payload is arriving into
-#: ``payload``, slice by slice as ``landing`` tells; the push itself follows once it is in.
-Arriving = Callable[[int, int, int, float, np.ndarray, Landing], None]
+#: ``(worker, incarnation, version, count, loss, payload, landing)``: a push's payload is
+#: arriving into ``payload``, slice by slice as ``landing`` tells; the push itself follows
+#: once it is in.
+Arriving = Callable[[int, int, int, int, float, np.ndarray, Landing], None]

@@ -10,8 +10,10 @@ the actor.
 
 One connection, in order:
 
-1. the worker sends :data:`HELLO` (its token and number); the holder answers
-   :data:`ACCEPTED`, or :data:`REFUSED` for a token that is not this worker's;
+1. the worker sends :data:`HELLO` (its token, number and incarnation); the holder answers
+   :data:`ACCEPTED`, or :data:`REFUSED` for a token that is not this incarnation's (every
+   push on the connection is then the incarnation's, and is refused with
+   :data:`FENCED` once a newer one joined or it was dropped);
 2. on a local socket only, the worker offers shared memory (see :mod:`.shared`) and the
    holder answers :data:`ACCEPTED` if it takes it, anything else if not;
 3. then, push after push: :data:`PUSH` and the payload's bytes in the slices of the
@@ -25,16 +27,17 @@ from __future__ import annotations
 import socket
 import struct
 
-__all__ = ["ACCEPTED", "CONNECT_TIMEOUT", "HELLO", "OK", "PUSH", "REFUSED", "REPLY",
+__all__ = ["ACCEPTED", "CONNECT_TIMEOUT", "FENCED", "HELLO", "OK", "PUSH", "REFUSED", "REPLY",
            "TOKEN_BYTES", "TRAINER_ERROR", "VALUE_ERROR", "Order", "check_order", "tune"]
 
 TOKEN_BYTES = 16
-HELLO = struct.Struct(f"<{TOKEN_BYTES}sq")  # token, worker
+HELLO = struct.Struct(f"<{TOKEN_BYTES}sqq")  # token, worker, incarnation
 # version, count, loss, epoch, batches, payload bytes (-1: no batch this step)
 PUSH = struct.Struct("<qqdqqq")
 # status, version, bytes of the parameters (or of the error message)
 REPLY = struct.Struct("<qqq")
-OK, VALUE_ERROR, TRAINER_ERROR = 0, 1, 2  # statuses of a reply
+# Statuses of a reply; FENCED's message is the reason (see dasktrain.trainer.errors.Fenced).
+OK, VALUE_ERROR, TRAINER_ERROR, FENCED = 0, 1, 2, 3
 ACCEPTED = b"\x01"
 REFUSED = b"\x02"  # a wrong token: the worker does not try again
 CONNECT_TIMEOUT = 10.0  # seconds for one attempt to connect and be accepted

@@ -13,10 +13,12 @@ token, which each worker receives through the actor. Clusters whose comm is not 
 The port is open to anyone who can reach the host, so the holder's worker process defends
 itself: it keeps at most ``_MAX_UNAUTHENTICATED`` connections waiting for their token (a
 newer one pushes the oldest out, see :mod:`.admission`) and each only ``_HELLO_TIMEOUT``
-seconds; a worker's token, derived from a secret of the holder and the worker's number,
-admits that worker only (so no worker can take over another's connection), and a wrong one
-is answered with a refusal; and a connection that sends nothing for ``idle_timeout``
-seconds, between pushes or in the middle of one, is ended.
+seconds; a worker's token, derived from a secret of the holder, the worker's number and
+its incarnation, admits that incarnation only (so no worker can take over another's
+connection, and a connection speaks for the incarnation that opened it: once that one is
+fenced, so are its pushes, even those already in the socket), and a wrong one is answered
+with a refusal; and a connection that sends nothing for ``idle_timeout`` seconds, between
+pushes or in the middle of one, is ended.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import hmac
 import logging
 import secrets
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
+from dasktrain.trainer.errors import Fenced
 from dasktrain.trainer.exchange import shared
 from dasktrain.trainer.exchange.admission import Refusals, WaitingRoom, local_listener
 from dasktrain.trainer.exchange.buckets import reply_order
@@ -38,6 +42,7 @@ from dasktrain.trainer.exchange.landing import Arriving, Landing
 from dasktrain.trainer.exchange.protocol import (
     ACCEPTED,
     CONNECT_TIMEOUT,
+    FENCED,
     HELLO,
     OK,
     PUSH,
@@ -52,7 +57,7 @@ from dasktrain.trainer.exchange.protocol import (
 )
 from dasktrain.trainer.exchange.transfer import Movers, drain, recv_into, send, send_error, shut
 
-__all__ = ["ChannelServer", "PushFunction", "SharedReply", "channel_host"]
+__all__ = ["ChannelServer", "PushFunction", "SharedReply"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +74,6 @@ _ACCEPT_RETRY = 0.5  # seconds before accepting again after a failed accept
 PushFunction = Callable[..., Awaitable[Any]]
 #: ``(worker, region, attached)``: a worker's reply region in shared memory, or its end.
 SharedReply = Callable[[int, np.ndarray, bool], None]
-
-
-def channel_host(worker_address: str) -> str | None:
-    """The host to listen on for a worker at ``worker_address``; None where the cluster's
-    comm is not plain TCP."""
-    scheme, _, rest = worker_address.partition("://")
-    if scheme != "tcp" or not rest:
-        return None
-    host = rest.rsplit(":", 1)[0]
-    return host.strip("[]")
 
 
 class ChannelServer:
@@ -157,19 +152,20 @@ class ChannelServer:
             self._listening.append((local, loop.create_task(self._accept(local))))
             self.local_name = local.getsockname()
 
-    def contact(self, worker: int) -> dict[str, Any] | None:
-        """What ``worker`` needs to connect (sent through the actor): its token admits it
-        as ``worker`` only."""
+    def contact(self, worker: int, incarnation: int) -> dict[str, Any] | None:
+        """What ``worker``'s ``incarnation`` needs to connect (sent through the actor): its
+        token admits it as that incarnation only."""
         if self.address is None:
             return None
         return {"host": self.address[0], "port": self.address[1],
-                "local": self.local_name, "token": self._token(worker),
+                "local": self.local_name, "token": self._token(worker, incarnation),
+                "incarnation": incarnation,
                 "idle_timeout": self.idle_timeout, "order": self.order,
                 "shared": self.shared_memory}
 
-    def _token(self, worker: int) -> bytes:
+    def _token(self, worker: int, incarnation: int) -> bytes:
         # Derived rather than stored: nothing kept per worker, any number checked on arrival.
-        message = int(worker).to_bytes(8, "little", signed=True)
+        message = struct.pack("<qq", worker, incarnation)
         return hmac.new(self._secret, message, "sha256").digest()[:TOKEN_BYTES]
 
     def _spawn(self, coroutine: Awaitable[None]) -> None:
@@ -211,13 +207,14 @@ class ChannelServer:
         offers, then answer its pushes."""
         worker = None
         try:
-            worker = await self._admit(sock)
-            if worker is not None:
+            member = await self._admit(sock)
+            if member is not None:
+                worker = member[0]
                 regions = await self._share(sock)
                 if regions is not None and self._shared_reply is not None:
                     self._shared_reply(worker, regions.reply, True)
                 try:
-                    await self._serve_pushes(sock, worker, regions)
+                    await self._serve_pushes(sock, member, regions)
                 finally:
                     if regions is not None and self._shared_reply is not None:
                         self._shared_reply(worker, regions.reply, False)
@@ -228,15 +225,15 @@ class ChannelServer:
         finally:
             self._forget(sock, worker)
 
-    async def _admit(self, sock: socket.socket) -> int | None:
-        """The worker whose token the connection presents; None for a wrong token, which
-        is refused."""
+    async def _admit(self, sock: socket.socket) -> tuple[int, int] | None:
+        """The worker and incarnation whose token the connection presents; None for a wrong
+        token, which is refused."""
         hello = bytearray(HELLO.size)
         # One deadline for the whole hello: trickling it in byte by byte buys no time.
         async with asyncio.timeout(_HELLO_TIMEOUT):
             await recv_into(sock, memoryview(hello))
-        token, worker = HELLO.unpack(hello)
-        if not hmac.compare_digest(token, self._token(worker)):
+        token, worker, incarnation = HELLO.unpack(hello)
+        if not hmac.compare_digest(token, self._token(worker, incarnation)):
             self._refusals.note(f"a wrong token for worker {worker}")
             await send(sock, _HELLO_TIMEOUT, REFUSED)
             return None
@@ -248,7 +245,7 @@ class ChannelServer:
             shut(older)
         self._by_worker[worker] = sock
         await send(sock, self.idle_timeout, ACCEPTED)
-        return worker
+        return worker, incarnation
 
     async def _share(self, sock: socket.socket) -> shared.Regions | None:
         """The regions of memory shared with a worker on this host, if it offers them and
@@ -261,7 +258,7 @@ class ChannelServer:
         await send(sock, self.idle_timeout, ACCEPTED if regions is not None else b"\0")
         return regions
 
-    async def _serve_pushes(self, sock: socket.socket, worker: int,
+    async def _serve_pushes(self, sock: socket.socket, member: tuple[int, int],
                             regions: shared.Regions | None) -> None:
         """Receive a push, hand it to the holder, send the reply; until the connection
         ends. The payload lands in one buffer per connection (the shared region, if any)."""
@@ -277,17 +274,17 @@ class ChannelServer:
                 if kept is not None:  # a push: the worker is done reading its model
                     kept.release()
                     kept = None
-                kept = await self._answer(sock, worker, header, payload, view, regions)
+                kept = await self._answer(sock, member, header, payload, view, regions)
         finally:
             if kept is not None:
                 kept.release()
 
-    async def _answer(self, sock: socket.socket, worker: int, header: bytearray,
+    async def _answer(self, sock: socket.socket, member: tuple[int, int], header: bytearray,
                       payload: np.ndarray, view: memoryview,
                       regions: shared.Regions | None) -> Any:
-        """Take the rest of a push whose header came, hand it to the holder, reply; the
-        reply's lease if it is kept (see ``shared_reply``)."""
-        idle = self.idle_timeout
+        """Take the rest of a push whose header came from ``member`` (worker, incarnation),
+        hand it to the holder, reply; the reply's lease if kept (see ``shared_reply``)."""
+        idle, worker = self.idle_timeout, member[0]
         version, count, loss, epoch, batches, nbytes = PUSH.unpack(header)
         if nbytes not in (-1, view.nbytes):
             await drain(sock, nbytes, idle)
@@ -299,9 +296,9 @@ class ChannelServer:
         grads = None
         if nbytes >= 0:
             if regions is None:  # else it lies in the shared payload region already
-                await self._receive(sock, view, (worker, version, count, loss, payload))
+                await self._receive(sock, view, (*member, version, count, loss, payload))
             grads = payload
-        lease = await self._apply(sock, worker, version, grads, count, loss,
+        lease = await self._apply(sock, member, version, grads, count, loss,
                                   (epoch, batches))
         if lease is None:
             return None
@@ -320,13 +317,15 @@ class ChannelServer:
             if landing is not None:
                 landing.fail()  # a no-op once every slice is in
 
-    async def _apply(self, sock: socket.socket, worker: int, version: int,
+    async def _apply(self, sock: socket.socket, member: tuple[int, int], version: int,
                      grads: np.ndarray | None, count: int, loss: float,
                      position: tuple[int, int]) -> Any:
         """The holder's reply to a push under a lease; None when it refused the push, which
         the worker is told (its connection stays usable)."""
         try:
-            return await self._push(worker, version, grads, count, loss, position)
+            return await self._push(*member, version, grads, count, loss, position)
+        except Fenced as exc:
+            await send_error(sock, self.idle_timeout, FENCED, exc.reason)
         except ValueError as exc:
             await send_error(sock, self.idle_timeout, VALUE_ERROR, str(exc))
         except Exception as exc:

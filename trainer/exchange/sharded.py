@@ -207,7 +207,7 @@ class ShardedHandle(_Shards):
     order = None  # buckets are not sent to shards
 
     def join(self, worker: int, address: str | None, layout: FlatLayout,
-             into: np.ndarray | None = None, epoch: int | None = None) -> dict[str, Any]:
+             into: np.ndarray | None = None) -> dict[str, Any]:
         """Join every shard; the parameters are assembled from their slices, and the worker
         continues after the last batch any shard took."""
         self._bounds = [bounds for bounds, _ in shard_layouts(layout, len(self.handles))]
@@ -216,20 +216,27 @@ class ShardedHandle(_Shards):
         if self._into.shape != (size,):
             raise ValueError(f"the receive buffer must hold {size} values")
         # One shard after the other: joining opens each shard's direct channel.
-        infos = [h.join(worker, address, layout, into=self._into[a:b], epoch=epoch)
+        infos = [h.join(worker, address, layout, into=self._into[a:b])
                  for h, (a, b) in zip(self.handles, self._bounds, strict=True)]
         if any(info.get("surplus") for info in infos):
             return {"surplus": True}
+        if any("wait" in info for info in infos):
+            return {"wait": infos[0]["wait"]}
         return self._assembled(infos)
 
-    def next_epoch(self, worker: int, after: int, address: str | None,
-                   report: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    @property
+    def incarnation(self) -> int:
+        """The first shard's incarnation of this worker (each shard hands out its own)."""
+        return self.handles[0].incarnation
+
+    def next_epoch(self, after: int, report: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> dict[str, Any] | None:
         """:meth:`HolderHandle.next_epoch` of every shard at once (each begins the epoch
         when its own part of the last one is complete), assembled as :meth:`join` does."""
-        futures = [h.call("next_epoch", worker, after, address, 0.0, report)
+        futures = [h.member_call("next_epoch", after, h._address, 0.0, report)
                    for h in self.handles]
-        first = self.gather(futures, f"epoch {after + 1} for worker {worker}")
-        infos = [h.next_epoch(worker, after, address) if info.get("wait") else info
+        first = self.gather(futures, f"epoch {after + 1}")
+        infos = [h.next_epoch(after, timeout=timeout) if info.get("wait") else info
                  for h, info in zip(self.handles, first, strict=True)]
         if any(info is None or "end" in info for info in infos):
             return None
@@ -245,6 +252,7 @@ class ShardedHandle(_Shards):
         return {"params": params, "version": min(self._versions), "epoch": infos[0]["epoch"],
                 "lr_factor": infos[0]["lr_factor"], "world": infos[0]["world"],
                 "position": max(int(info["position"]) for info in infos), "channel": None,
+                "rank": infos[0]["rank"], "incarnation": infos[0]["incarnation"],
                 # The first shard's cut of the epoch's steps: every worker follows it.
                 "shares": infos[0].get("shares")}
 
@@ -260,7 +268,7 @@ class ShardedHandle(_Shards):
     def begin_push(self, *args: Any) -> None:
         return None
 
-    def push(self, worker: int, version: int, payload: np.ndarray | None, count: int,
+    def push(self, version: int, payload: np.ndarray | None, count: int,
              loss: float, position: tuple[int, int]) -> _ShardedPush:
         """Send each shard its slice (``version`` is each shard's own, from its last
         reply). A gradient that is not finite goes with a NaN loss, so that every shard
@@ -269,8 +277,7 @@ class ShardedHandle(_Shards):
                 not all_finite(torch.from_numpy(payload)):
             loss = math.nan
         return _ShardedPush([
-            h.push(worker, v, None if payload is None else payload[a:b], count, loss,
-                   position)
+            h.push(v, None if payload is None else payload[a:b], count, loss, position)
             for h, v, (a, b) in zip(self.handles, self._versions, self._bounds, strict=True)])
 
     def wait(self, future: Any, what: str, timeout: float | None = None) -> Any:
@@ -298,10 +305,16 @@ class ShardedHandle(_Shards):
             np.copyto(into, params)
 
     def request(self, method: str, *args: Any, what: str | None = None) -> Any:
-        """Call every shard and wait; a worker's warnings go to the first only, which the
-        driver reads them from."""
+        """Call every shard and wait (the first shard's answer)."""
+        futures = [h.call(method, *args) for h in self.handles]
+        return self.gather(futures, what or method)[0]
+
+    def member_request(self, method: str, *args: Any, what: str | None = None) -> Any:
+        """A call of this worker's incarnation on every shard (each its own incarnation)
+        and wait; a worker's warnings go to the first only, which the driver reads them
+        from."""
         targets = self.handles[:1] if method == "notify" else self.handles
-        futures = [h.call(method, *args) for h in targets]
+        futures = [h.member_call(method, *args) for h in targets]
         return self.gather(futures, what or method)[0]
 
     def close(self) -> None:

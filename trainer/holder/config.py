@@ -73,6 +73,8 @@ class HolderConfig:
     elastic: bool = False
     """Workers join and leave during the run (the Trainer's ``workers=(least, most)``):
     ``workers`` is the most; a rerun task landing beside another is surplus."""
+    min_workers: int | None = None
+    """In an elastic run, the least workers an epoch begins with (default: ``workers``)."""
     assignment: str = "static"
     """How the epoch's batches reach workers: ``"static"`` (rank r takes global batches
     r, r + W, ...) or ``"dynamic"`` (claimed on demand, see :mod:`.ledger`)."""

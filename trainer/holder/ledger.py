@@ -202,6 +202,29 @@ class WorkLedger:
             self._cursor = min(self._cursor, int(back[0]))
         return len(back)
 
+    @_locked
+    def refund(self, worker: int, batch: int) -> int:
+        """Undo the admission (:meth:`arrive`) of ``worker``'s push named by ``batch``: its
+        batches go back to the pool, not done (``average``: parameters that fell behind are
+        not averaged, and their batches are trained again on the current ones); returns how
+        many batches."""
+        run = self._run(worker, batch) if 0 <= batch < len(self._owner) else None
+        self._runs.pop((worker, batch), None)
+        back = [b for b in run or () if b in self._arriving and self._owner[b] == worker]
+        if back:
+            self._arriving.difference_update(back)
+            self._move(np.asarray(back, dtype=np.int64), _PENDING)
+            self._cursor = min(self._cursor, back[0])
+        return len(back)
+
+    @_locked
+    def holds(self, worker: int) -> bool:
+        """Whether ``worker`` holds claimed work it has not pushed."""
+        if not self._count[worker]:
+            return False
+        return any(b not in self._arriving
+                   for b in np.flatnonzero(self._owner == worker).tolist())
+
     # -- reports and checkpoints -------------------------------------------------------
     def taken_by(self, worker: int) -> int:
         """Batches of this epoch done from ``worker``'s gradients."""

@@ -16,7 +16,11 @@ too.
 
 A worker whose process died starts again, as in ``sync``, after the last of its pushes the
 holder took: the local steps it had taken since are taken again, so every batch of the
-epoch is in exactly one average.
+epoch is in exactly one average. Where work is claimed, a worker may sit out rounds (it had
+no work, the rest of the epoch being in others' hands) and then claim work that came back
+to the pool: its push is then of parameters the rounds left behind, which is not averaged
+but goes back to the pool, batches and all, and the worker continues from the current
+average that the reply brings it.
 
 Where work is claimed on demand (``assignment="dynamic"``, the default with one holder), a
 worker's local steps between two averages are a piece of the runs of batches it claimed,
@@ -167,8 +171,16 @@ class AverageMode(RoundMode):
         return layout.size + state_size(optimizer, layout.param_segments())
 
     async def push(self, contribution: Contribution) -> None:
-        if self.host.claims_work:
+        host = self.host
+        if host.claims_work:
             self._measure(contribution)
+            if contribution.version != host.version:
+                # Local steps from parameters the rounds left behind (its worker had no
+                # work while they went on): not averaged, and not lost either.
+                host.give_back(contribution, f"its parameters of version "
+                                             f"{contribution.version} fell behind the "
+                                             f"rounds (version {host.version})")
+                return
         await self.enter_if_current(contribution, "parameters")
 
     def sent(self, worker: int) -> None:

@@ -12,6 +12,9 @@ Hooks a mode implements (all optional except :meth:`UpdateMode.push`):
   update may be complete now). The worker's clock is ``host.clocks[worker]``.
 * ``sent(worker)``: parameters were just handed to ``worker`` (at join and in every reply),
   inside the serial section, so ``host.parameters`` is what it received.
+* ``taken(contributions)``: an update took ``contributions`` (applied or refused them),
+  inside the serial section, in order with checkpoints: what a mode keeps of pushes it
+  holds for later leaves its checkpointed state here.
 * ``waiting_for()``: the workers a pending update waits for; the watchdog drops those
   that died or stay silent.
 * ``state_dict()`` / ``load_state_dict(state)``: the mode's own state (clocks are the
@@ -30,6 +33,8 @@ What the host offers (:class:`Host`):
 * ``drop_gradient(contribution, reason)``: record a gradient that is not applied.
 * ``hold(contribution)``: count a contribution the mode keeps for a later update (in the
   serial section), so that a checkpoint taken meanwhile resumes after its batch.
+* ``give_back(contribution, reason)``: take nothing of a push of claimed work: its batches
+  go back to the pool, to be trained again (``average``: parameters that fell behind).
 * ``serially(fn, *args)``: a section ordered with every update, snapshot and restore.
 * ``parameters`` and ``values`` (parameters then buffers): read-only views, for the serial
   section; ``version``, ``epoch``, ``epoch_start``, ``clocks``, ``batches_taken(worker)``,
@@ -133,6 +138,7 @@ class Host(Protocol):
                         values: torch.Tensor | None) -> None: ...
     def drop_gradient(self, contribution: Contribution, reason: str, **fields: Any) -> None: ...
     def hold(self, contribution: Contribution) -> None: ...
+    def give_back(self, contribution: Contribution, reason: str) -> None: ...
     async def serially(self, fn: Any, *args: Any) -> Any: ...
 
 
@@ -230,6 +236,11 @@ class UpdateMode:
 
     def sent(self, worker: int) -> None:
         """Parameters were handed to ``worker`` (serial section)."""
+
+    def taken(self, contributions: Sequence[Contribution]) -> None:
+        """An update took ``contributions``: applied, or refused as not finite (serial
+        section)."""
+        del contributions
 
     def reply(self, worker: int) -> np.ndarray | None:
         """A reply of the mode's own for ``worker`` (serial section), or None for the

@@ -18,11 +18,15 @@ the round, so a worker whose process died while its push waited there, Dask then
 its task again, resumes after that batch; so does one resumed from a checkpoint, whose
 stored round holds the push. Its next push, of another batch, joins the round *beside* the
 waiting one (see :mod:`.rounds`), counting as one more of the S, and both are applied:
-every gradient held is applied or, with ``late="drop"``, recorded as dropped.
+every gradient held is applied or, with ``late="drop"``, recorded as dropped. What the
+checkpoint stores as the round is what was held and not yet taken by an update, kept in
+the serial section with the hold and the update themselves: a checkpoint taken between a
+gradient's hold and its entry into the round still has it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,6 +52,8 @@ class SoftMode(RoundMode, StaleGradientMode):
         self.late = late
         self._wait_for = wait_for  # before the base's init, which asks expected_staleness
         super().__init__(host, **options)
+        # Held and not yet taken by an update (serial section): the checkpoint's round.
+        self._held: dict[tuple[int, tuple[int, int]], Contribution] = {}
 
     @classmethod
     def check(cls, workers: int, options: dict[str, Any]) -> None:
@@ -78,8 +84,8 @@ class SoftMode(RoundMode, StaleGradientMode):
         if self.late == "drop" and contribution.version < self.host.version:
             self.host.drop_gradient(contribution, "late")
             return
-        # Counted now, in order with checkpoints, which store the round with it.
-        await self.host.serially(self.host.hold, contribution)
+        # Counted now, in order with checkpoints, which store it with the round.
+        await self.host.serially(self._hold, contribution)
         # No copy: the payload stays valid until this returns, after the round applies.
         await self.enter(contribution)
 
@@ -93,8 +99,17 @@ class SoftMode(RoundMode, StaleGradientMode):
     async def close_round(self, contributions: list[Contribution]) -> None:
         await self.host.apply(contributions, adjust=self.adjuster)
 
+    def _hold(self, contribution: Contribution) -> None:
+        self.host.hold(contribution)
+        self._held[(contribution.worker, tuple(contribution.position))] = contribution
+
+    def taken(self, contributions: Sequence[Contribution]) -> None:
+        for c in contributions:
+            self._held.pop((c.worker, tuple(c.position)), None)
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "round": [_stored(c) for c in self.round]}
+        return {**super().state_dict(),
+                "round": [_stored(self._held[k]) for k in sorted(self._held)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -102,6 +117,7 @@ class SoftMode(RoundMode, StaleGradientMode):
         # those batches, so the gradients are applied with the round they were in, beside
         # the pushes of the batches that follow.
         self.restore_round(map(_restored, state.get("round", [])))
+        self._held = {(c.worker, tuple(c.position)): c for c in self.round}
 
 
 def _stored(c: Contribution) -> dict[str, Any]:

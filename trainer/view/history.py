@@ -31,13 +31,18 @@ class History:
     it was computed on), ``staleness_worker``, ``scale`` (learning-rate factor),
     ``compensated`` (delay compensation) and ``dropped`` (not applied); fields a mode
     declares (``ssp``'s ``clock_lead``) are in ``extra`` and read as attributes too.
-    Per epoch: a dict in ``epochs`` with wall time, samples/s, data-stall fraction, the
+    Per epoch: a dict in ``epochs`` with the samples the holder's updates applied (a
+    worker's that died or left included) and their mean loss (``train["loss"]``; the
+    other training metrics are over the reports of the workers that finished it,
+    ``per_worker``), wall time, samples/s, data-stall fraction, the
     workers' mean time waiting for the exchange (``exchange_s``), how they reached the
     holder (``exchange_via``: counts of ``local``, ``direct``, ``actor``) and validation
     metrics, and, where work is claimed on demand, ``batches_per_worker`` (the share of
     the epoch each worker's gradients took). ``events`` says what happened to workers
     (lost, rejoined, refused gradients, claimed work given back); ``claims`` lists each
-    claim of work as ``[epoch, version, worker, first batch, stop]``.
+    claim of work as ``[epoch, version, worker, first batch, stop]``; ``fenced_calls``
+    counts the calls the holder refused because they came from a worker's task that was
+    no longer current (a dead one's late push, a claim that waited while it was dropped).
     """
 
     mode: str = ""
@@ -58,6 +63,7 @@ class History:
     events: list[str] = dataclasses.field(default_factory=list)
     claims: list[list[int]] = dataclasses.field(default_factory=list)
     refused_gradients: int = 0
+    fenced_calls: int = 0
     wall_time: float = 0.0
 
     def extend(self, records: dict[str, list]) -> None:

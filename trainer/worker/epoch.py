@@ -6,7 +6,10 @@ batch is already taken from the pipeline (whose prefetch runs on the cluster), s
 communication overlaps data work. A worker with a stride of its own that pushes gradients
 in a lock-step mode may start an epoch before the holder answered for it
 (:func:`computes_ahead`): its first batch's gradient is computed meanwhile and pushed once
-the answer came. Which task runs the epochs, and how it joins and leaves, is :mod:`.loop`.
+the answer came, if the answer is what it computed on (the epoch's start, the same
+parameters, rank and world); else the epoch starts again from the answer
+(:class:`AheadOfTheHolder`). Which task runs the epochs, and how it joins and leaves, is
+:mod:`.loop`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,14 +28,14 @@ import torch
 from distributed import get_client
 
 from dasktrain.pipeline import Pipeline
-from dasktrain.pipeline.plan import run_pieces
-from dasktrain.trainer.errors import TrainerError
+from dasktrain.trainer import faults
 from dasktrain.trainer.exchange.buckets import GradientReadiness, reply_order
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.exchange.sharded import ShardedHandle
 from dasktrain.trainer.exchange.streaming import OutgoingPush
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.modes import mode_class, worker_step_class
+from dasktrain.trainer.worker.batches import claim, next_item, stride
 from dasktrain.trainer.worker.compute import LossScale, MetricTotals, batch_size_of
 from dasktrain.trainer.worker.config import WorkerConfig
 from dasktrain.trainer.worker.gate import ForwardGate
@@ -43,8 +46,8 @@ from dasktrain.trainer.worker.notices import (
 from dasktrain.trainer.worker.retire import retiring
 from dasktrain.trainer.worker.steps import StepContext, WorkerStep
 
-__all__ = ["CLAIMS_AHEAD", "PLACE", "Replica", "computes_ahead", "step_for", "train_epoch",
-           "trainer_place"]
+__all__ = ["CLAIMS_AHEAD", "PLACE", "AheadOfTheHolder", "Replica", "computes_ahead",
+           "step_for", "train_epoch", "trainer_place"]
 
 #: Runs of batches a worker holds claimed beyond the one it trains on (its prefetch).
 CLAIMS_AHEAD = 2
@@ -86,9 +89,22 @@ class Replica:
     strategy: WorkerStep | None = None
     pipe: Pipeline | None = None
     version: int = 0  # of the parameters the worker last received
+    rank: int = 0  # its place among the epoch's ranks, where ranks own a stride
+    world: int = 1  # the epoch's ranks
     asker: ThreadPoolExecutor | None = None  # asks for the next epoch while it computes
     gate: ForwardGate | None = None  # forward passes begun while a reply arrives
     gate_tried: bool = False
+
+
+class AheadOfTheHolder(Exception):
+    """The holder began the epoch a worker computed ahead into otherwise than the worker
+    computed on (other parameters: the epoch before ended later than its last reply, or
+    another rank or world): the gradient computed ahead is dropped, and the epoch starts
+    again from the holder's ``answer``."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__(answer)
+        self.answer = answer
 
 
 def computes_ahead(replica: Replica) -> bool:
@@ -109,16 +125,17 @@ def worker_pipeline(config: WorkerConfig, rank: int, world: int,
                     device=device, client=get_client(), **config.pipeline_options)
 
 
-def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world: int,
+def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
                 started: float, following: bool, asked: Future | None = None
                 ) -> dict[str, Any] | None:
-    """Train ``epoch`` from the parameters and position in ``info`` (what the holder
+    """Train ``epoch`` from the parameters, rank and position in ``info`` (what the holder
     answered to a join); returns the worker's report of it.
 
     ``asked`` instead of ``info``: the holder's answer for the epoch is on its way (see
-    :func:`computes_ahead`); the epoch starts at its beginning with the parameters the
-    worker has, and the answer is awaited before the first push. None if it says the
-    fit is over."""
+    :func:`computes_ahead`); the epoch starts at its beginning with the parameters, rank
+    and world the worker has, and the answer is awaited before the first push (its own
+    deadlines are those of :meth:`HolderHandle.next_epoch`). None if it says the fit is
+    over; :class:`AheadOfTheHolder` if it began the epoch otherwise."""
     config, handle, flat = replica.config, replica.handle, replica.flat
     worker, device = replica.worker, replica.device
     strategy = replica.strategy
@@ -131,8 +148,10 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
         strategy.lr_factor = float(info.get("lr_factor", 1.0))
         strategy.start(info["params"])
         version, position = int(info["version"]), int(info["position"])
+        replica.rank, replica.world = int(info["rank"]), int(info["world"])
     else:
         version, position = replica.version, 0
+    rank, world = replica.rank, replica.world
 
     def settle() -> bool:
         """The holder's answer, once it is needed: False if the fit is over."""
@@ -142,16 +161,15 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
         answer, asked = asked.result(), None
         if answer is None:
             return False
-        if int(answer["epoch"]) != epoch or int(answer["position"]) != 0:
-            raise TrainerError(f"worker {worker} computed ahead for epoch {epoch} from its "
-                               f"start, but the holder began epoch {answer['epoch']} at "
-                               f"position {answer['position']}")
+        if (int(answer["epoch"]), int(answer["position"]), int(answer["version"]),
+                int(answer["rank"]), int(answer["world"])) != (epoch, 0, version, rank, world):
+            items.close()
+            raise AheadOfTheHolder(answer)
         return True
 
     claimed = config.assignment == "dynamic"
-    rank = min(worker, world - 1)
     pipe = replica.pipe
-    if pipe is not None and pipe.world_size != world and not claimed:
+    if pipe is not None and not claimed and (pipe.world_size, pipe.rank) != (world, rank):
         pipe.close()
         pipe = None
     if pipe is None:
@@ -164,19 +182,21 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
     if claimed:
         # Each batch's position is its index in the epoch plan: the holder's ledger knows
         # which are done (see dasktrain.trainer.holder.ledger).
-        start, steps = 0, None
+        start, steps, last_batch = 0, None, pipe.plan().num_batches - 1
         items: Generator[tuple[int, Any], None, None] = pipe.claiming(
-            functools.partial(_claim, handle, worker, epoch, run_ends), ahead=CLAIMS_AHEAD)
+            functools.partial(claim, handle, worker, epoch, run_ends, config.timeout),
+            ahead=CLAIMS_AHEAD)
     else:
         plan = pipe.plan()
-        mine = len(plan.rank_batches(worker, world))
+        last_batch = None
+        mine = len(plan.rank_batches(rank, world))
         lockstep = mode_class(config.mode).lockstep
         steps = math.ceil(plan.num_batches / world) if lockstep else mine
         start = min(position, steps)
         state = pipe.state_dict()
         state["position"] = min(start, mine)
         pipe.load_state_dict(state)
-        items = _stride(iter(pipe), start, mine, steps)
+        items = stride(iter(pipe), start, mine, steps)
     compute = wait = 0.0
     samples = in_buckets = nonfinite = 0
     totals = MetricTotals()
@@ -184,7 +204,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
     readiness = _readiness(strategy, handle, flat, scale)
     gate = _gate(replica)
 
-    item = next(items, None)
+    item = next_item(items)
     step = start
     retired = False
     first_step_at = time.time() if item is not None else None  # wall clock: see epoch_records
@@ -240,14 +260,16 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int, world
             # A push begun after a fall back to the actor goes whole (see begin_push).
             in_buckets += isinstance(outgoing, OutgoingPush)
         elif push is None:  # a local step: nothing to exchange yet
-            item = next(items, None)
+            item = next_item(items)
             continue
         elif asked is not None and not settle():  # the first push of an epoch computed ahead
             return None
         else:
-            future = handle.push(worker, version, push.payload, push.count, push.loss,
+            future = handle.push(version, push.payload, push.count, push.loss,
                                  (epoch, mark))
-        item = next(items, None)  # overlaps the exchange
+        faults.reached("push", worker=worker, epoch=epoch, batch=mark,
+                       last=mark == last_batch if claimed else step == steps)
+        item = next_item(items)  # overlaps the exchange
         params, version = handle.wait(future, f"worker {worker}'s update at step {step - 1}")
         strategy.load(params)
         _tell(handle, worker, taken_warnings())
@@ -294,34 +316,6 @@ def _shares(config: WorkerConfig, handle: Handle, info: dict[str, Any] | None, e
     return tuple(shares) if shares is not None and len(shares) == world else None
 
 
-def _stride(batches: Iterator[Any], start: int, mine: int, steps: int
-            ) -> Generator[tuple[int, Any], None, None]:
-    """A static rank's steps ``start..steps``: ``(position after it, batch)``, the batch
-    None for the steps of a lock-step epoch in which this rank has none left."""
-    for step in range(start, steps):
-        yield step + 1, (next(batches) if step < mine else None)
-    for _ in batches:  # let the pipeline finish its epoch bookkeeping (nothing is left)
-        pass
-
-
-def _claim(handle: Handle, worker: int, epoch: int, run_ends: set[int],
-           stop: threading.Event) -> range | None:
-    """The next run of global batches ``worker`` claims from the holder (on the pipeline's
-    feeder thread), its last batch added to ``run_ends``; None once the epoch has no more
-    work for it."""
-    while not stop.is_set() and not retiring():  # a retiring worker claims no more
-        run = handle.request("claim", worker, epoch, what=f"work for worker {worker}")
-        if run is None:
-            return None
-        if run:
-            claimed = range(run[0], run[1])
-            pieces = run_pieces(claimed, run[2] if len(run) > 2 else None)
-            run_ends.update(part.stop - 1 for part in pieces)
-            return claimed
-        # []: nothing free now, but what others hold may come back (a worker dies): ask again
-    return None
-
-
 def _readiness(strategy: WorkerStep, handle: Handle, flat: FlatModel,
                scale: LossScale) -> GradientReadiness | None:
     """Hooks that send a gradient bucket by bucket during backward, where that is exact:
@@ -359,4 +353,4 @@ def _tell(handle: Handle, worker: int, notices: list) -> None:
     """Hand warnings to the holder, for the driver (rare: nothing is sent when none)."""
     notices = [n for n in notices if n is not None]
     if notices:
-        handle.request("notify", worker, notices, what=f"worker {worker}'s warnings")
+        handle.member_request("notify", notices, what=f"worker {worker}'s warnings")

@@ -5,21 +5,25 @@ thread), builds the model, joins the holder (which hands it the parameters and i
 in the epoch) and trains (:mod:`.epoch`: batch, forward/backward, the mode's step, the
 parameters the holder sends back).
 
-One task trains every epoch of a fit (``last``): at an epoch's end it hands the holder
-its report and asks for the next epoch, keeping its model, connection, shared memory and
-pipeline (with its head start into the next epoch); the holder begins that epoch as soon
-as the last worker finished this one (:mod:`dasktrain.trainer.holder.turns`). An elastic
-run, whose workers change in number at epoch starts, runs one task per epoch instead.
+One task trains every epoch of a fit (to ``last``), elastic or not: at an epoch's end it
+hands the holder its report and asks for the next epoch, keeping its model, connection,
+shared memory and pipeline (with its head start into the next epoch); the holder begins
+that epoch as soon as the last worker finished this one (:mod:`dasktrain.trainer.holder.epochs`),
+with the rank and world it says. A worker the holder dropped while it was alive (it went
+silent) learns so from its next call (:class:`~dasktrain.trainer.errors.Fenced`) and joins
+again with a new incarnation, as a task Dask runs again would; one whose place another
+task of it took stops. A task that fails leaves the holder with its error first, so that
+what it claimed goes back to the pool and the History says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pickle
 import time
 import traceback
-from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -28,12 +32,13 @@ from distributed import get_worker, secede
 
 from dasktrain._malloc import tune_allocator
 from dasktrain.pipeline import Pipeline
+from dasktrain.trainer.errors import Fenced
 from dasktrain.trainer.exchange.sharded import open_handle
 from dasktrain.trainer.flat import FlatModel
-from dasktrain.trainer.worker import kept
 from dasktrain.trainer.worker.config import LossFunction, WorkerConfig
 from dasktrain.trainer.worker.epoch import (
     PLACE,
+    AheadOfTheHolder,
     Replica,
     computes_ahead,
     step_for,
@@ -47,7 +52,7 @@ from dasktrain.trainer.worker.notices import (
     watch_this_thread,
 )
 from dasktrain.trainer.worker.profiler import profiler_paused
-from dasktrain.trainer.worker.retire import training
+from dasktrain.trainer.worker.retire import retiring, training
 
 __all__ = ["LossFunction", "WorkerConfig", "WorkerFailure", "pick_device", "run_worker",
            "trainer_place"]
@@ -78,17 +83,14 @@ class WorkerFailure:
         return cls(error, where)
 
 
-def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int,
-               world: int | None = None, last: int | None = None) -> dict[str, Any]:
-    """Train ``worker``'s share of ``epoch`` (of ``world`` workers' strides, by default
-    ``config.workers``, where work is not claimed); returns its counters, or
-    ``{"worker": worker, "failed": WorkerFailure}`` if it could not, or
-    ``{"worker": worker, "surplus": True}`` if the holder had no place for it.
-
-    With ``last``, train the holder's current epoch and every one after it up to
-    ``last`` in this task (a task Dask runs again after its worker died starts where the
-    holder is); the reports go to the holder, and it returns ``{"worker": worker,
-    "epochs": n}``.
+def run_worker(config: WorkerConfig, holder: Any, worker: int, first: int,
+               last: int) -> dict[str, Any]:
+    """Train ``worker`` in every epoch the holder begins, from its current one to
+    ``last`` (``first``: the epoch the fit starts with, whose first batches the task reads
+    while it builds its model and joins); returns ``{"worker": worker, "epochs": n}``, or
+    ``{"worker": worker, "failed": WorkerFailure}`` if it could not, or ``{"worker":
+    worker, "surplus": reason}`` if the holder had no place for it. The reports go to the
+    holder.
 
     A failure is returned, not raised: Dask logs every task that raises on its worker
     ("Compute Failed" and the task's traceback, on the user's terminal for a local
@@ -96,13 +98,13 @@ def run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int,
     (:meth:`FitRun._collect`).
     """
     try:
-        return _run_worker(config, holder, worker, epoch, world or config.workers, last)
+        return _run_worker(config, holder, worker, first, last)
     except Exception as exc:
         return {"worker": worker, "failed": WorkerFailure.of(exc)}
 
 
-def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, world: int,
-                last: int | None) -> dict[str, Any]:
+def _run_worker(config: WorkerConfig, holder: Any, worker: int, first: int, last: int
+                ) -> dict[str, Any]:
     secede()  # free the thread for pipeline tasks; this task is not stolen once running
     tune_allocator()
     started = time.perf_counter()
@@ -110,8 +112,8 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
         torch.set_num_threads(config.torch_threads)
     device = pick_device(config.device)
     PLACE.place = (worker, None)
-    # A fit's task starts reading its first batches before it builds the model and joins.
-    pipe = _reading_ahead(config, worker, epoch, world, device) if last is not None else None
+    # The task starts reading its first batches before it builds the model and joins.
+    pipe = _reading_ahead(config, worker, first, device)
     try:
         flat = FlatModel(config.model(), device)
         handle = open_handle(holder, config.timeout)  # one actor, or a list of shards
@@ -127,16 +129,18 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
         dask_worker = address = None
     capture_warnings()
     watch_this_thread()
+    replica = None
     try:
         with training(), profiler_paused(dask_worker if config.pause_dask_profiler
                                          else None):
             # a closing worker waits for training to leave (see .retire)
             replica = Replica(config, handle, flat, device, worker, address)
-            if last is None:
-                return _train(replica, epoch, world, started, kept.fit_key(holder))
-            kept.take(kept.fit_key(holder), -1, -1)  # closes what other fits left
             replica.pipe, pipe = pipe, None
             return _train_fit(replica, last, started)
+    except Exception as exc:
+        if replica is not None:
+            _leave_failed(replica, exc)
+        raise
     finally:
         if pipe is not None:  # failed before the fit took it
             pipe.close()
@@ -145,66 +149,60 @@ def _run_worker(config: WorkerConfig, holder: Any, worker: int, epoch: int, worl
         handle.close()
 
 
-def _reading_ahead(config: WorkerConfig, worker: int, epoch: int, world: int,
-                   device: torch.device) -> Pipeline | None:
+def _reading_ahead(config: WorkerConfig, worker: int, epoch: int, device: torch.device
+                   ) -> Pipeline | None:
     """The worker's pipeline, already reading the first batches of ``epoch`` (see
     :meth:`Pipeline.start`) while the task builds its model and joins the holder: the
     first epoch's first batch was the one a fit's workers waited for (~10-20 ms). Its
     epoch, rank or cut may still turn out others (a resumed fit, an elastic one, a
     balanced cut): the head start is then dropped. None where work is claimed."""
-    if config.assignment == "dynamic":
+    if config.assignment == "dynamic" or worker >= config.workers:
         return None
-    pipe = worker_pipeline(config, min(worker, world - 1), world, device)
+    pipe = worker_pipeline(config, worker, config.workers, device)
     pipe.set_epoch(epoch)
     pipe.start()
     return pipe
 
 
-def _train(replica: Replica, epoch: int, world: int, started: float, fit: Hashable
-           ) -> dict[str, Any]:
-    """One epoch's task: join, train ``epoch``, leave."""
-    config, worker = replica.config, replica.worker
-    info = _join(replica, epoch, epoch)
-    if info.get("surplus"):
-        return {"worker": worker, "epoch": epoch, "surplus": True}
-    claimed = config.assignment == "dynamic"
-    rank = min(worker, world - 1)
-    # A static rank's pipeline lives on in this process between the fit's epoch tasks
-    # (see .kept), with a head start into the next epoch unless this is the last one.
-    following = not claimed and epoch + 1 < len(config.epoch_steps)
-    replica.pipe = None if claimed else kept.take(fit, rank, world)
-    report = train_epoch(replica, info, epoch, world, started, following)
-    _leave(replica, report)
-    if following and not report["retired"]:
-        kept.keep(fit, rank, world, replica.pipe)
-    return report
-
-
 def _train_fit(replica: Replica, last: int, started: float) -> dict[str, Any]:
     """Every epoch from the holder's current one to ``last``, in this task."""
-    info: dict[str, Any] | None = _join(replica, None, None)
-    assert info is not None  # (typed for the epochs after, whose answer may not be in yet)
+    info: dict[str, Any] | None = _join(replica)
     if info.get("surplus"):
-        if replica.pipe is not None:
-            replica.pipe.close()
-        return {"worker": replica.worker, "surplus": True}
-    epoch, world = int(info["epoch"]), int(info["world"])
+        return {"worker": replica.worker, "surplus": "another replica trains there"}
     asked: Future | None = None
+    epoch = -1
     epochs = 0
     try:
         while True:
-            report = train_epoch(replica, info, epoch, world, started, epoch < last, asked)
+            if info is not None and "wait" in info:  # a part from the next epoch on
+                info = replica.handle.next_epoch(int(info["wait"]))
+                if info is None:
+                    break
+            if info is not None:
+                epoch = int(info["epoch"])
+            try:
+                report = train_epoch(replica, info, epoch, started, epoch < last, asked)
+            except AheadOfTheHolder as ahead:  # computed ahead on what turned out stale
+                info, asked = ahead.answer, None
+                continue
+            except Fenced as fenced:
+                if fenced.reason != "lost":  # another task of this worker took its place
+                    return {"worker": replica.worker, "surplus": str(fenced)}
+                info, asked = _join(replica), None  # dropped while alive: join again
+                if info.get("surplus"):
+                    return {"worker": replica.worker, "surplus": "its place was taken"}
+                continue
+            asked = None
             if report is None:  # the fit ended before this epoch began
                 break
             epochs += 1
-            if report["retired"] or epoch >= last:
-                _leave(replica, report)
+            if report["retired"] or epoch >= last or retiring():
+                _leave(replica, report, retired=report["retired"] or retiring())
                 break
             started = time.perf_counter()
             # Leaving and asking for the next epoch are one call: it answers once the
             # holder began the next epoch, as soon as the last worker left this one.
-            ask = functools.partial(replica.handle.next_epoch, replica.worker, epoch,
-                                    replica.address, report)
+            ask = functools.partial(replica.handle.next_epoch, epoch, report)
             if computes_ahead(replica):
                 replica.asker = replica.asker or ThreadPoolExecutor(1, "dasktrain-next")
                 asked, info, epoch = replica.asker.submit(ask), None, epoch + 1
@@ -212,7 +210,6 @@ def _train_fit(replica: Replica, last: int, started: float) -> dict[str, Any]:
             info = ask()
             if info is None:  # the fit is over (stopped after this epoch)
                 break
-            epoch, world = int(info["epoch"]), int(info["world"])
     finally:
         if replica.pipe is not None:
             replica.pipe.close()
@@ -221,19 +218,29 @@ def _train_fit(replica: Replica, last: int, started: float) -> dict[str, Any]:
     return {"worker": replica.worker, "epochs": epochs}
 
 
-def _leave(replica: Replica, report: dict[str, Any]) -> None:
+def _leave(replica: Replica, report: dict[str, Any], retired: bool) -> None:
     worker = replica.worker
-    replica.handle.request("leave", worker, report["retired"], report,
-                           what=f"worker {worker} to leave")
+    replica.handle.member_request("leave", retired, report, None,
+                                  what=f"worker {worker} to leave")
 
 
-def _join(replica: Replica, epoch: int | None, task_epoch: int | None) -> dict[str, Any]:
-    """Join the holder (as a task of ``task_epoch``, or of the whole fit: None); the
-    worker's step is made for ``epoch`` (None: the first the holder names)."""
+def _leave_failed(replica: Replica, error: BaseException) -> None:
+    """Leave the holder with ``error`` (best effort: the holder may be what failed), so
+    that what this worker claimed goes back to the pool and the History says why."""
+    with contextlib.suppress(Exception):
+        if replica.handle.incarnation:
+            replica.handle.member_request(
+                "leave", False, None, f"{type(error).__name__}: {error}",
+                what=f"worker {replica.worker} to leave")
+
+
+def _join(replica: Replica) -> dict[str, Any]:
+    """Join the holder (again, after a drop: a new incarnation); the worker's step is
+    made for the epoch the holder names."""
     flat = replica.flat
-    replica.strategy = strategy = step_for(replica.config, flat, epoch or 0)
+    replica.strategy = strategy = step_for(replica.config, flat, 0)
     info = replica.handle.join(replica.worker, replica.address, flat.layout,
-                               into=strategy.receive_buffer(), epoch=task_epoch)
+                               into=strategy.receive_buffer())
     if not info.get("surplus"):
         replica.handle.share(strategy.adopt)  # on the holder's host: pushes copy nothing
         # In the holder's process: the model reads the holder's parameters themselves.

@@ -1,0 +1,85 @@
+"""Faults for the chaos tests: a trainer worker's process killed at a point of its life
+that the test names (see :mod:`dasktrain.trainer.faults`), once per test.
+
+A kill is planned in every worker process (``client.run(plan_kill, ...)``); the worker that
+reaches the point first with the planned worker number and epoch claims the test's marker
+(an atomic link: only one ever does), writes the time into it and kills its own process.
+The marker then tells the test that, and when, the fault happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dasktrain.trainer import faults
+from dasktrain.trainer.worker.epoch import trainer_place
+from tests.common.builders import claim_marker, wait_for
+from tests.common.counting import Tally, spread
+
+__all__ = ["gated_spread", "gated_tally", "killed_at", "plan_kill", "unplan"]
+
+_SEEN: collections.Counter[str] = collections.Counter()
+
+
+def _kill(marker: str, victim: int, first: int, nth: int, at_last: bool | None,
+          **where: Any) -> None:
+    if where["worker"] != victim or where["epoch"] < first:
+        return
+    if at_last is not None and where.get("last") != at_last:
+        return
+    key = f"{marker}:{where['epoch']}"
+    _SEEN[key] += 1
+    if _SEEN[key] >= nth and claim_marker(Path(marker), repr(time.time())):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def plan_kill(point: str, marker: str, victim: int, epoch: int, nth: int = 1,
+              last: bool | None = None) -> None:
+    """In this process: kill it when worker ``victim`` reaches ``point`` for the ``nth``
+    time in an epoch from ``epoch`` on (with ``last``: at a push that is, or is not, its
+    last of the epoch), unless another process did first (``marker``)."""
+    faults.clear()
+    faults.install(point, functools.partial(_kill, marker, victim, epoch, nth, last))
+
+
+def unplan() -> None:
+    """Remove the planned kill of this process."""
+    faults.clear()
+
+
+def killed_at(marker: str | Path) -> float | None:
+    """When the planned kill happened (the victim's clock), or None if it did not."""
+    path = Path(marker)
+    return float(path.read_text()) if path.exists() else None
+
+
+def gated_spread(output: torch.Tensor, target: torch.Tensor, gate: str = "",
+                 opener: int = -1, from_epoch: int = 2) -> torch.Tensor:
+    """:func:`~tests.common.counting.spread` with trainer worker 0 slower (where work is
+    claimed, the others take most of it). With a ``gate``: worker ``opener`` opens it as
+    it computes, and from epoch ``from_epoch`` on the others wait (at most 60 s) until it
+    is open, so that a fault planned mid-fit surely happens before the fit ends."""
+    task = trainer_place()
+    if gate and task is not None and task[1] is not None:
+        if task[0] == opener:
+            Path(gate).touch()
+        elif task[1] >= from_epoch:
+            wait_for(Path(gate).exists, 60, f"the gate {gate}")
+    return spread(output, target, slow_rank=0, delay=0.02, pace=0.004)
+
+
+def gated_tally(rows: int, gate: str = "", opener: int = -1) -> Tally:
+    """:class:`~tests.common.counting.Tally`; the task of trainer worker ``opener`` opens
+    ``gate`` as it builds its model, just before it joins the holder."""
+    task = trainer_place()
+    if gate and task is not None and task[0] == opener:
+        Path(gate).touch()
+    return Tally(rows)
