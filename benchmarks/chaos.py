@@ -64,6 +64,11 @@ from dasktrain.cli.bench import Ratio, parse_with_quick, write_ratios
 from dasktrain.trainer import faults
 from dasktrain.trainer.worker.loop import trainer_place
 
+# The oracle is the test suite's (tests/common/counting.py); the worker processes, spawned
+# with this process's sys.path, import it from there too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.common.counting import Tally, register_tally
+
 ROWS, BATCH = 480, 8
 MODES = {"async": {}, "soft": {}, "ssp": {"staleness_bound": 2},
          "average": {"average_every": 2}, "sync": {}}
@@ -72,17 +77,8 @@ CLUSTER = (3, 5)  # the least and most worker processes the faults keep
 
 
 # -- the oracle --------------------------------------------------------------------------
-class Tally(torch.nn.Module):
-    def __init__(self, rows: int = ROWS) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(rows))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w[x[:, 0].long()]
-
-
 def tally() -> Tally:
-    return Tally()
+    return Tally(ROWS)
 
 
 def paced_mean(output: torch.Tensor, target: torch.Tensor, holder: str) -> torch.Tensor:
@@ -92,24 +88,6 @@ def paced_mean(output: torch.Tensor, target: torch.Tensor, holder: str) -> torch
     if trainer_place() is not None:
         time.sleep(0.02 if get_worker().address == holder else 0.01)
     return output.mean()
-
-
-class TallyOptimizer(torch.optim.Optimizer):
-    """``w += sign(g)``: one count per row in the applied gradient."""
-
-    def __init__(self, params, lr: float) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(torch.sign(p.grad))
-
-
-def _build(config, params, segments):
-    return TallyOptimizer(params, lr=config.lr)
 
 
 # -- the faults --------------------------------------------------------------------------
@@ -227,9 +205,8 @@ def one_fit(cluster: LocalCluster, client: Client, data: Any, mode: str, epochs:
     kills, changes = _plan(rng, mode, epochs, folder)
     client.register_plugin(Kills(holder, kills))
     watch = Changes(cluster, client, holder, changes)
-    dt.optim.register_optimizer("tally", _build)
     trainer = dt.Trainer(tally, functools.partial(paced_mean, holder=holder),
-                         dt.optim.get_optimizer("tally", lr=1.0), mode=mode,
+                         register_tally(), mode=mode,
                          workers=(2, 6), batch_size=BATCH, holder_worker=holder,
                          progress=False, timeout=60, barrier_timeout=20, **MODES[mode])
     started = time.monotonic()

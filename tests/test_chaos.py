@@ -98,7 +98,7 @@ def _assert_every_row_once_per_epoch(mode: str, history: dt.History,
     # retired worker's batches included (in average: the check that every row counted).
     assert [r["samples"] for r in history.epochs] == [ROWS] * EPOCHS, history.events
     by_epochs = sum(r["train"]["loss"] * r["samples"] for r in history.epochs)
-    by_updates = sum(loss * n for loss, n in zip(history.loss, history.samples))
+    by_updates = sum(loss * n for loss, n in zip(history.loss, history.samples, strict=True))
     assert by_epochs == pytest.approx(by_updates, rel=1e-6), history.events
     if mode == "average":
         return
