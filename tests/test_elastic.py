@@ -93,7 +93,7 @@ def _elastic_fit(model, loss, optimizer, data_of, epochs: int, mode: str = "asyn
                 history)
 
 
-def test_a_run_grows_and_shrinks_with_the_cluster_and_applies_each_row_once(tmp_path):
+def test_a_run_grows_and_shrinks_with_the_cluster_and_applies_each_row_once(tmp_path, capfd):
     # Epochs of 90 batches of 80 ms (about 3.6 s on two workers): the worker added as the
     # fit starts is up (a new process: a few seconds) before the first ends.
     slow = functools.partial(spread, pace=0.08)
@@ -104,6 +104,12 @@ def test_a_run_grows_and_shrinks_with_the_cluster_and_applies_each_row_once(tmp_
     assert np.all(counts == 3), (np.unique(counts, return_counts=True), history.events)
     _assert_grew_and_shrank(history, scaling)
     assert history.epochs[-1]["workers_finished"] == 2  # the retired one is gone
+    # The retirement reads as one: the cluster's processes (their output is this test's
+    # until the cluster closed) logged no error, traceback or cancelled trainer task.
+    logged = capfd.readouterr().err
+    for sign in ("ERROR", "Traceback", "died unexpectedly", "never awaited",
+                 "Task cancelled", "unaware of this worker"):
+        assert sign not in logged, logged[-3000:]
 
 
 def _assert_grew_and_shrank(history, scaling) -> None:

@@ -298,13 +298,20 @@ class HolderHandle:
     def call(self, method: str, *args: Any) -> Any:
         """Start ``method(*args)`` on the holder; returns something with ``.result(timeout)``."""
         if self._local is not None:
-            coroutine = getattr(self._local, method)(*args)
-            return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+            return self._on_loop(getattr(self._local, method)(*args), method)
         if self._loop is not None:
             # Issue and await the actor call on the worker's event loop: one thread hop
             # there and one back, instead of two each way through ActorFuture.result().
-            return asyncio.run_coroutine_threadsafe(self._remote(method, args), self._loop)
+            return self._on_loop(self._remote(method, args), method)
         return getattr(self.actor, method)(*args)
+
+    def _on_loop(self, coroutine: Any, method: str) -> Any:
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        except RuntimeError as exc:  # the loop closed: this Dask worker is going away
+            coroutine.close()  # never scheduled: no "was never awaited" warning at exit
+            raise TrainerError(f"cannot call the holder's {method}: this Dask worker is "
+                               "closing") from exc
 
     async def _remote(self, method: str, args: tuple) -> Any:
         return await getattr(self.actor, method)(*args)

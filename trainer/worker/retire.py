@@ -13,6 +13,7 @@ pool (see :mod:`dasktrain.trainer.holder.ledger`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -46,6 +47,32 @@ class training:
             _running -= 1
 
 
+#: Dask's loggers that report a retirement's expected steps as if they were failures.
+_NOISY = ("distributed.worker.state_machine", "distributed.worker", "distributed.nanny")
+_CLOSING = (Status.closing_gracefully, Status.closing, Status.closed)
+
+
+class _RetirementNoise(logging.Filter):
+    """Drops, in a worker process that is closing (retired, scaled down), what Dask logs
+    of it as if it failed: that a trainer task was cancelled (the worker cancels its tasks
+    as it closes, while the trainer hands back its work and leaves: the History says so),
+    the shutdown notices of a heartbeat sent after the scheduler let the worker go, and
+    "Worker process died unexpectedly" from the thread that waits for the nanny's stop
+    message when the process ends first."""
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (_closing.is_set() or getattr(self.worker, "status", None) in _CLOSING):
+            return True
+        message = record.getMessage()
+        return not (("dasktrain-trainer" in message and "cancelled" in message.lower())
+                    or "Scheduler was unaware of this worker" in message
+                    or "Worker process died unexpectedly" in message)
+
+
 def retiring() -> bool:
     """This process's Dask worker is closing (retired, scaled down): stop and leave."""
     if _closing.is_set():
@@ -64,9 +91,19 @@ class RetireWatch(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         _closing.clear()
+        for name in _NOISY:
+            logger = logging.getLogger(name)
+            for old in [f for f in logger.filters if isinstance(f, _RetirementNoise)]:
+                logger.removeFilter(old)
+            logger.addFilter(_RetirementNoise(worker))
 
     async def teardown(self, worker: Any) -> None:
         _closing.set()
+        # The scheduler has let this worker go: a heartbeat now would only make it say
+        # that it does not know the worker, and the worker that it shuts down.
+        heartbeat = getattr(worker, "periodic_callbacks", {}).get("heartbeat")
+        if heartbeat is not None:
+            heartbeat.stop()
         deadline = time.monotonic() + LEAVE_WITHIN
         while _running and time.monotonic() < deadline:
             await asyncio.sleep(0.02)  # the trainer threads call the holder via this loop
