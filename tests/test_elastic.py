@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
+from pathlib import Path
 
 import numpy as np
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-from tests.common.counting import ROWS, paced_mse, register_tally, spread, tally
+from tests.common.counting import ROWS, Tally, paced_mse, register_tally, spread, tally
 from tests.common.data import indexed_dataset
 from tests.common.training import mlp
 
@@ -149,3 +151,60 @@ def test_an_averaging_run_grows_and_shrinks_and_applies_each_sample_once(tmp_pat
     assert sum(history.samples) == 3 * ROWS, history.events
     assert not any(history.dropped), history.events
     _assert_grew_and_shrank(history, scaling)
+
+
+def _tally_opening(rows: int, marker: str, gate: str):
+    """Tally; the task of trainer worker 1 run after the kill (``marker`` exists) opens
+    ``gate`` as it builds its model, just before it joins the holder."""
+    from dasktrain.trainer.worker.loop import trainer_place
+
+    task = trainer_place()
+    if task is not None and task[0] == 1 and Path(marker).exists():
+        Path(gate).touch()
+    return Tally(rows)
+
+
+def _gated_after_kill(output, target, marker: str, gate: str):
+    """spread, whose third batch kills trainer worker 1's process (once); once the kill
+    happened, trainer worker 0 waits (at most 60 s) for the gate: the epoch cannot end
+    before worker 1's new task has joined."""
+    from dasktrain.trainer.worker.loop import trainer_place
+    from tests.common.builders import wait_for
+
+    task = trainer_place()
+    if task is not None and task[0] == 0 and Path(marker).exists():
+        wait_for(Path(gate).exists, 60, f"the gate {gate}")
+    return spread(output, target, pace=0.004, kill_rank=1, kill_after=3, marker=marker)
+
+
+def test_a_killed_workers_restarted_process_trains_again_in_the_same_epoch(tmp_path):
+    """A range of workers on a cluster of as many processes: no warning of trainers
+    sharing a process; a worker's process SIGKILLed mid-epoch and started again by its
+    nanny gets its trainer worker back (same number, new incarnation, its new address
+    named) in that epoch, not once the next begins; numbers stay the same for the fit."""
+    marker, gate = str(tmp_path / "killed"), str(tmp_path / "gate")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        data = indexed_dataset(client, tmp_path, rows=240, chunk_rows=60)
+        holder = sorted(worker_info(client))[0]
+        trainer = dt.Trainer(functools.partial(_tally_opening, 240, marker, gate),
+                             functools.partial(_gated_after_kill, marker=marker, gate=gate),
+                             register_tally(), mode="async", workers=(2, 3), batch_size=8,
+                             holder_worker=holder, progress=False, timeout=60)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = trainer.fit(data, epochs=2, client=client)
+    assert not [w for w in caught if "share one Dask worker" in str(w.message)], caught
+    events = "\n".join(history.events)
+    assert Path(marker).exists(), events
+    old = next(e for e in history.events if "worker 1 joined on" in e)
+    dropped = next(e for e in history.events if "worker 1 dropped" in e)
+    back = next(e for e in history.events if "worker 1 rejoined on" in e)
+    old_address = old.split(" on ")[1].split(" ")[0]
+    assert f"on {old_address}, incarnation 1" in dropped, events  # where it was lost
+    assert old_address not in back and "(incarnation 2)" in back, events
+    # The new task reported for the epoch of the kill: it trained in it.
+    assert 1 in [w["worker"] for w in history.epochs[0]["per_worker"]], events
+    assert {w["worker"] for r in history.epochs for w in r["per_worker"]} == {0, 1}, events
+    counts = trainer.model.w.detach().numpy()
+    assert np.all(counts == 2), (np.unique(counts, return_counts=True), events)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,12 +131,13 @@ def claim_marker(marker: Path, text: str) -> bool:
     """Create ``marker`` holding ``text``, unless it exists (True if this call made it):
     one process of many gets to act once per test. Written whole before it appears (a link
     is made or refused at once), so another process that sees the marker reads it all."""
-    draft = marker.with_name(f"{marker.name}.{os.getpid()}")
+    # A process's threads (a feeder's claims, a push) may reach a fault point at once.
+    draft = marker.with_name(f"{marker.name}.{os.getpid()}.{threading.get_ident()}")
     draft.write_text(text)
     try:
         os.link(draft, marker)
     except FileExistsError:
         return False
     finally:
-        draft.unlink()
+        draft.unlink(missing_ok=True)
     return True
