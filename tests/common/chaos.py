@@ -21,6 +21,7 @@ import torch
 
 from dasktrain.trainer import faults
 from dasktrain.trainer.worker.epoch import trainer_place
+from dasktrain.trainer.worker.retire import retiring
 from tests.common.builders import claim_marker, wait_for
 from tests.common.counting import Tally, spread
 
@@ -72,7 +73,9 @@ def gated_spread(output: torch.Tensor, target: torch.Tensor, gate: str = "",
         if task[0] == opener:
             Path(gate).touch()
         elif task[1] >= from_epoch:
-            wait_for(Path(gate).exists, 60, f"the gate {gate}")
+            # A worker whose Dask worker is being retired stops waiting: it finishes the
+            # batch in hand and leaves, as the retirement asks.
+            wait_for(lambda: Path(gate).exists() or retiring(), 60, f"the gate {gate}")
     return spread(output, target, slow_rank=0, delay=0.02, pace=0.004)
 
 

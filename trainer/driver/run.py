@@ -300,6 +300,8 @@ class FitRun:
             return
         try:
             self.call("end_fit", "the fit is over")
+            if self._places.elastic:  # a task whose Dask worker was retired never ends
+                self._let_gone_go(worker_info(self.client))
             try:
                 done = wait(list(self._fit_tasks), timeout=_GATHER).done
             except TimeoutError:  # a task whose Dask worker left (retired) never ends
@@ -346,20 +348,24 @@ class FitRun:
         where work is claimed, drop and cancel the tasks whose Dask worker left (their
         claims go back to the pool now, not once the holder's watchdog finds them gone)."""
         workers = self._handle.last_workers or worker_info(self.client)
-        by_worker = {w: f for f, w in self._fit_tasks.items()}
         if self.grows:
-            for w in self._places.gone(set(by_worker), workers):
-                future = by_worker.pop(w)
-                del self._fit_tasks[future]
-                self.client.cancel(future)
-                future.release()
-                self.call("drop", w, f"its Dask worker {self._places.placed[w]} left the "
-                                     "cluster")
+            self._let_gone_go(workers)
         if self.work_left == 0 and self.holder_epoch >= last:
             return  # nothing left to hand out in the fit
-        for w, address in self._places.gained(set(by_worker), self.member_addresses,
-                                              workers).items():
+        for w, address in self._places.gained(set(self._fit_tasks.values()),
+                                              self.member_addresses, workers).items():
             self._fit_tasks[self._start(w, self.epoch, last, address)] = w
+
+    def _let_gone_go(self, workers: dict[str, dict[str, Any]]) -> None:
+        """Drop and cancel the tasks whose Dask worker left ``workers`` (pinned there, they
+        would wait for it for ever)."""
+        by_worker = {w: f for f, w in self._fit_tasks.items()}
+        for w in self._places.gone(set(by_worker), workers):
+            future = by_worker.pop(w)
+            del self._fit_tasks[future]
+            self.client.cancel(future)
+            future.release()
+            self.call("drop", w, f"its Dask worker {self._places.placed[w]} left the cluster")
 
     @property
     def grows(self) -> bool:
