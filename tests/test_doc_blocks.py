@@ -6,8 +6,12 @@ that ``dasktrain train`` takes."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 import textwrap
 import tomllib
 from dataclasses import dataclass
@@ -120,3 +124,161 @@ def test_toml_blocks_hold_only_keys_dasktrain_train_takes(block):
         assert section in known, (str(block), section)
         unknown = set(keys) - set(known[section])
         assert not unknown, (str(block), section, unknown)
+
+
+# -- Python blocks, run -------------------------------------------------------------------
+# What the prose around a page's blocks introduces (a model, a loss, a dataset) and the
+# files its blocks read, written before the page's blocks run one after the other, in one
+# process of their own (as a reader's session would), in an empty directory. A block
+# that cannot run here says why in a comment just above it (``<!-- not run: ... -->``):
+# a remote cluster, a bucket, a sketch.
+NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
+
+COMMON = """\
+from pathlib import Path
+
+import numpy as np
+import torch
+torch.set_num_threads(1)
+import dasktrain as dt
+from PIL import Image
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+loss = torch.nn.functional.cross_entropy
+opt = dt.optim.sgd(0.05, momentum=0.9)
+
+def digits():
+    return dt.prepare("digits", "data/digits.zarr", split="train=0.8,val=0.2", normalize=True,
+                      overwrite=True, progress=False)
+
+def scans(rows=96):
+    rng = np.random.default_rng(0)
+    np.savez("scans.npz", image=rng.random((rows, 1, 8, 8), dtype=np.float32),
+             metadata=rng.random((rows, 3), dtype=np.float32),
+             label=rng.integers(0, 10, rows))
+
+def photos(folder, per_class=6):
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        (Path(folder) / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 255, (72, 80, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(Path(folder) / name / f"{i}.png")
+
+class ImageAndMetadata(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.image, self.meta = torch.nn.Linear(64, 16), torch.nn.Linear(3, 16)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, image, metadata):
+        return self.head(torch.relu(self.image(image.flatten(1)) + self.meta(metadata)))
+
+    def aux_loss(self):
+        return self.head.weight.pow(2).mean()
+"""
+
+# Run just before block i of a page (its index among the page's Python blocks).
+BEFORE = {
+    ("datasets.md", 1): "scans()",
+    ("datasets.md", 2): "Path('books/b').mkdir(parents=True)\n"
+                        "for i in range(6):\n"
+                        "    Path(f'books/b/{i}.txt').write_text('A line of a book. ' * 90)",
+    ("datasets.md", 3): "photos('train')",
+    ("elastic.md", 0): "ds = digits()",
+    ("elastic.md", 1): "data, client = ds.split('train'), dt.get_client()",
+    ("evolve.md", 1): "ds = digits()\n"
+                      "def make_mlp():\n"
+                      "    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), "
+                      "torch.nn.Linear(32, 10))\n"
+                      "def accuracy(output, target):\n"
+                      "    return (output.argmax(1) == target).float().mean()",
+    ("modes.md", 0): "",
+    ("pipeline.md", 0): "digits()",
+    ("pipeline.md", 1): "scans()\nds = dt.prepare('scans.npz', 'data/scans.zarr', "
+                        "arrays=['image', 'metadata', 'label'], split='train=0.8,val=0.2', "
+                        "progress=False)\nmodel = ImageAndMetadata()",
+    ("pipeline.md", 2): "loss = torch.nn.functional.cross_entropy\n"
+                        "photos('photos', per_class=96)\n"
+                        "ds = dt.prepare('photos', 'data/photos.zarr', "
+                        "image_size=72, split='train=0.75,val=0.25', progress=False)\n"
+                        "def convnet():\n"
+                        "    torch.manual_seed(0)\n"
+                        "    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=4), "
+                        "torch.nn.Flatten(), torch.nn.Linear(4 * 16 * 16, 2))",
+    ("trainer.md", 0): "digits()",
+    ("trainer.md", 1): "scans(rows=160)\n"
+                       "ds = dt.prepare('scans.npz', 'data/named.zarr', arrays=["
+                       "'image', 'meta=metadata', 'label'], "
+                       "split='train=0.6,val=0.2,test=0.2', progress=False)\n"
+                       "train, val, test = ds.split('train'), ds.split('val'), ds.split('test')\n"
+                       "class make_model(torch.nn.Module):\n"
+                       "    def __init__(self):\n"
+                       "        super().__init__()\n"
+                       "        self.backbone = torch.nn.Linear(64, 16)\n"
+                       "        self.meta, self.head = torch.nn.Linear(3, 16), "
+                       "torch.nn.Linear(16, 10)\n"
+                       "    def forward(self, image, meta):\n"
+                       "        return self.head(torch.relu(self.backbone(image.flatten(1)) "
+                       "+ self.meta(meta)))\n"
+                       "    def aux_loss(self):\n"
+                       "        return self.head.weight.pow(2).mean()\n"
+                       "def top1(output, target):\n"
+                       "    return (output.argmax(1) == target).float().mean()",
+    ("trainer.md", 3): "ds = digits()\ntrain, val = ds.split('train'), ds.split('val')\n"
+                       "trainer = dt.Trainer(net, loss, opt, workers=2, batch_size=32, "
+                       "progress=False)\nother = dt.History()",
+}
+
+
+RUNNER = """\
+import json
+if __name__ == "__main__":  # worker processes import the main module: it must not run again
+    namespace = {"__name__": "__main__"}
+    for name, code in json.load(open("blocks.json")):
+        print("--", name, flush=True)
+        exec(compile(code, name, "exec"), namespace)
+"""
+
+
+def _page_blocks(page: str) -> list[tuple[str, str]]:
+    """``page``'s Python blocks to run, each after its setup, as (name, code)."""
+    lines = (ROOT / "docs" / page).read_text(encoding="utf-8").split("\n")
+    found = [("setup", COMMON)]
+    own = [b for b in BLOCKS if b.page == page and b.language == "python"]
+    for index, block in enumerate(own):
+        above = lines[block.line - 2] if block.line >= 2 else ""
+        if NOT_RUN.search(above):
+            continue
+        if (page, index) in BEFORE:
+            found.append((f"setup of {block}", BEFORE[page, index]))
+        found.append((str(block), block.text))
+    return found if len(found) > 1 else []
+
+
+PAGES = sorted({b.page for b in BLOCKS if b.language == "python"})
+
+
+def test_a_block_left_out_says_why():
+    for page in PAGES:
+        text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+        for marker in re.findall(r"<!-- not run:(.*?)-->", text):
+            assert len(marker.strip()) > 10, (page, marker)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("page", PAGES)
+def test_a_pages_python_blocks_run_as_written(page, tmp_path):
+    blocks = _page_blocks(page)
+    if not blocks:
+        pytest.skip(f"every Python block of {page} says why it is not run here")
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    (tmp_path / "page.py").write_text(RUNNER)
+    result = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=280,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])

@@ -99,10 +99,11 @@ class RetireWatch(WorkerPlugin):
 
     async def teardown(self, worker: Any) -> None:
         _closing.set()
-        # The scheduler has let this worker go: a heartbeat now would only make it say
-        # that it does not know the worker, and the worker that it shuts down.
+        # Torn down as the worker closes (not replaced by the next fit's plugin): the
+        # scheduler has let it go, and a heartbeat now would only make it say that it
+        # does not know the worker, and the worker that it shuts down.
         heartbeat = getattr(worker, "periodic_callbacks", {}).get("heartbeat")
-        if heartbeat is not None:
+        if heartbeat is not None and getattr(worker, "status", None) in _CLOSING:
             heartbeat.stop()
         deadline = time.monotonic() + LEAVE_WITHIN
         while _running and time.monotonic() < deadline:
