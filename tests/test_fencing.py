@@ -96,6 +96,38 @@ def test_a_claim_that_waited_takes_nothing_for_a_worker_that_is_gone(how):
     assert any("went back to the pool" in e for e in progress["events"])
 
 
+def test_a_rerun_that_joined_at_the_boundary_ends_that_epoch_and_trains_the_next():
+    """Worker 1 died; worker 0 finished epoch 0 alone and the holder waits at the boundary
+    for the driver when worker 1's rerun joins (into the epoch just complete). Epoch 1 then
+    begins and expects worker 1: its claim for epoch 0 is answered "epoch over", not
+    refused as from a worker outside the epoch (its task would have stopped for the rest
+    of the fit), and worker 1 trains epoch 1."""
+
+    async def scenario():
+        holder = _claiming()
+        try:
+            await holder.begin_epoch(0, True, (2, [0]), 2)
+            await _joined(holder, 2)
+            held = [await holder.claim(0, 1, 0) for _ in range(2)]
+            await holder.drop(1, "its Dask worker is gone")
+            for run in held:
+                await holder.push(0, 1, holder.version, _grad(), 1, 0.5, (0, run[0]))
+            await holder.leave(0, 1, False, {"epoch": 0, "worker": 0, "steps": 2})
+            assert (await holder.join(1, None, holder.layout))["incarnation"] == 2
+            await holder.queue_epoch(1, (2, [0]))
+            over = await holder.claim(1, 2, 0)
+            info = await holder.next_epoch(1, 2, 0, None, 5.0,
+                                           {"epoch": 0, "worker": 1, "steps": 0})
+            run = await holder.claim(1, 2, 1)
+            return over, info, run, await holder.progress()
+        finally:
+            await holder.close()
+
+    over, info, run, progress = asyncio.run(scenario())
+    assert over is None and info.get("epoch") == 1 and run is not None, (over, info, run)
+    assert progress["fenced"] == 0 and progress["members"][1] == "active"
+
+
 # -- 2. a dead incarnation's late push does not make it active again --------------------
 def test_a_push_already_on_its_way_from_a_dropped_worker_is_fenced_and_the_epoch_ends():
     """Worker 1 is dropped (its process was killed) with a push still on its way; when

@@ -6,7 +6,10 @@ the epoch is not done (others hold the rest), it waits, up to its ``wait``, for 
 come back (a holder dies, leaves or is dropped) or for the epoch to be done. A claim that
 waited checks its incarnation again before it takes anything: its worker may have been
 dropped, or superseded by a rerun, meanwhile, and the actor runs the claim to its end
-although its caller is gone. Every wait lets go of its own future when it ends.
+although its caller is gone. One that finds its epoch over is answered so (None) as long
+as its incarnation is current, even if the next epoch, begun meanwhile, expects it: a
+worker that joined as an epoch drained waits in a claim until that epoch is done. Every
+wait lets go of its own future when it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from dasktrain.trainer.modes.base import UpdateMode
 
 __all__ = ["ClaimDesk"]
 
-Check = Callable[[int, int, str], None]  # (worker, incarnation, what): raises if fenced
+# (worker, incarnation, what, active=True): raises if fenced; with active=False a current
+# incarnation passes whether or not it trains the current epoch.
+Check = Callable[..., None]
 
 
 class ClaimDesk:
@@ -50,9 +55,12 @@ class ClaimDesk:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while True:
-            self._check(worker, incarnation, "a claim")  # again, after every wait
             if epoch != ledger.epoch or ledger.finished:
+                # The epoch claimed from is over: its worker (current, though the next
+                # epoch may expect it already) ends it and asks for the next.
+                self._check(worker, incarnation, "a claim", active=False)
                 return None
+            self._check(worker, incarnation, "a claim")  # again, after every wait
             size, piece = self.mode.claim_size(worker)
             run = ledger.claim(worker, len(self.roster.live()), size, piece)
             if run is not None:
