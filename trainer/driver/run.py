@@ -19,7 +19,7 @@ Checkpoints never go backwards: a mid-epoch state of the next epoch, polled befo
 boundary of this one was saved, waits for that save, and a save older than the last one
 written is refused.
 
-:class:`FitRun` stays one piece of some 500 lines: its methods are the steps of one run
+:class:`FitRun` stays one piece of some 520 lines: its methods are the steps of one run
 that all read and move the same state (the holder's handle and liveness, the fit's tasks,
 the progress and checkpoint marks polled from the holder), and the failure paths between
 them (a lost holder, a failed worker) need all of it at once.
@@ -300,11 +300,11 @@ class FitRun:
             return
         try:
             self.call("end_fit", "the fit is over")
-            if self._places.elastic:  # a task whose Dask worker was retired never ends
+            if self._places.elastic:  # a task pinned to a Dask worker that left never ends
                 self._let_gone_go(worker_info(self.client))
             try:
                 done = wait(list(self._fit_tasks), timeout=_GATHER).done
-            except TimeoutError:  # a task whose Dask worker left (retired) never ends
+            except TimeoutError:  # those still running are stopped below
                 done = {f for f in self._fit_tasks if f.done()}
             busy = [f for f in self._fit_tasks if f not in done]
             if busy:
