@@ -11,6 +11,20 @@ Tasks (non-convex, where staleness hurts; ``--task``):
 * ``wave``: regression of a smooth non-linear function of 8 standard normal features,
   ``sin(2 a.x) cos(b.x) + 0.5 tanh(2 c.x)`` for fixed random directions, by a ReLU MLP
   8 -> 64 -> 64 -> 1 (4.8k parameters) with mean squared error.
+* ``committee``: a task with a long plateau, the soft committee machine of Saad and Solla
+  (1995, "On-line learning in soft committee machines"). The target is a sum of K = 4
+  ``erf`` units along orthonormal directions of 16 standard normal features; the student
+  is a tanh MLP 16 -> 4 -> 1 (73 parameters) whose first layer starts 100 times smaller than
+  PyTorch's default, with mean squared error. Why it has a plateau: from a small start the
+  four hidden units are nearly interchangeable, and the gradient first moves them together
+  towards the mean of the teacher's directions (the symmetric phase, a saddle whose loss is
+  about 0.03 under SGD, 0.07 under Adam); the loss falls again only when the units break
+  their symmetry and each takes one direction, which is slow to begin because it grows
+  from the small differences between them. Sustained momentum is what crosses the saddle
+  fast, which is what a mode that damps momentum for staleness loses. Its target is fixed,
+  not read off ``sync``: a smoothed loss of 0.002, past the plateau by a factor of 15 to
+  35 (``sync`` goes on to about 0.0003, a floor a noisier update need not reach to have
+  crossed it), and its fits run 8 epochs (``sync`` crosses in the fourth or fifth).
 
 Optimizers (``--optimizer``, default both, one after the other on the same cluster): SGD
 with momentum 0.9, and Adam (betas 0.9, 0.999); the learning rate of each task and
@@ -53,10 +67,10 @@ over repeats); the same target for every run of one optimizer. ``--only LABEL...
 some configurations (``sync`` always runs, for the target), among them more than the
 default ones (``EXTRA``).
 
-Run: ``.venv/bin/python benchmarks/stragglers.py [--task wave]`` (``--epochs 4 --repeats
-2``; medians of the repeats; about 6 minutes on 2 cores for both optimizers; ``--quick``:
-sync, average K=4, async, async lr/(1+τ) and async as before, 2 epochs of 6,144 rows,
-once). ``dasktrain bench`` runs it among the others.
+Run: ``.venv/bin/python benchmarks/stragglers.py [--task wave|committee]`` (``--repeats
+2``, the task's epochs; medians of the repeats; about 6 minutes on 2 cores for both
+optimizers on ``teacher``; ``--quick``: sync, average K=4 and async, 2 epochs of 6,144
+rows, once). ``dasktrain bench`` runs it among the others (``teacher``).
 """
 
 from __future__ import annotations
@@ -87,11 +101,16 @@ WAVE_FEATURES, WAVE_HIDDEN = 8, 64
 WORKERS = 3
 MOMENTUM = 0.9
 OPTIMIZERS = ("sgd", "adam")
-TASKS = ("teacher", "wave")
+TASKS = ("teacher", "wave", "committee")
+COMMITTEE_FEATURES, COMMITTEE_UNITS, COMMITTEE_INIT = 16, 4, 0.01
+# Per task: epochs by default, and a fixed target (None: target-factor x sync's end).
+EPOCHS = {"teacher": 4, "wave": 4, "committee": 8}
+TARGET = {"teacher": None, "wave": None, "committee": 0.002}
 # The learning rate of each task and optimizer, where ``sync`` trains well (one step per
 # global batch of 3 x 128): see the module's docstring.
 LR = {("teacher", "sgd"): 0.2, ("teacher", "adam"): 0.02,
-      ("wave", "sgd"): 0.2, ("wave", "adam"): 0.02}
+      ("wave", "sgd"): 0.2, ("wave", "adam"): 0.02,
+      ("committee", "sgd"): 0.05, ("committee", "adam"): 0.02}
 LR_FACTOR = "lr_factor"  # a key of a configuration's options: run at lr x this
 ASSIGNMENT = "assignment"  # a key of a configuration's options: the Trainer's assignment
 
@@ -142,6 +161,13 @@ def student(task: str = "teacher", kind: str = "mlp") -> torch.nn.Module:
     """The network trained: for ``teacher`` an MLP (``kind="linear"``: softmax regression, a
     convex contrast), for ``wave`` a ReLU MLP with one output."""
     torch.manual_seed(0)  # the holder builds it once: every run starts from the same weights
+    if task == "committee":
+        model = torch.nn.Sequential(torch.nn.Linear(COMMITTEE_FEATURES, COMMITTEE_UNITS),
+                                    torch.nn.Tanh(), torch.nn.Linear(COMMITTEE_UNITS, 1))
+        with torch.no_grad():  # the small start that makes the symmetric plateau
+            model[0].weight.mul_(COMMITTEE_INIT)
+            model[0].bias.zero_()
+        return model
     if task == "wave":
         return torch.nn.Sequential(torch.nn.Linear(WAVE_FEATURES, WAVE_HIDDEN), torch.nn.ReLU(),
                                    torch.nn.Linear(WAVE_HIDDEN, WAVE_HIDDEN), torch.nn.ReLU(),
@@ -156,7 +182,14 @@ def student(task: str = "teacher", kind: str = "mlp") -> torch.nn.Module:
 def make_data(directory: Path, client: Client, rows: int = ROWS, task: str = "teacher"
               ) -> dt.Dataset:
     rng = np.random.default_rng(0)
-    if task == "wave":
+    if task == "committee":
+        n = COMMITTEE_FEATURES
+        x = rng.standard_normal((rows, n)).astype(np.float32)
+        # Orthonormal teacher directions, of length sqrt(n) so that v.x / sqrt(n) ~ N(0, 1).
+        v = np.linalg.qr(rng.standard_normal((n, n)))[0][:, :COMMITTEE_UNITS] * np.sqrt(n)
+        y = torch.erf(torch.from_numpy(x @ v / np.sqrt(2 * n))).sum(1, keepdim=True)
+        y = y.numpy().astype(np.float32)
+    elif task == "wave":
         # A smooth non-linear target: two products of waves along random directions.
         x = rng.standard_normal((rows, WAVE_FEATURES), dtype=np.float32)
         a, b, c = rng.standard_normal((3, WAVE_FEATURES)) / np.sqrt(WAVE_FEATURES)
@@ -174,7 +207,7 @@ def make_data(directory: Path, client: Client, rows: int = ROWS, task: str = "te
 
 
 class StragglerLoss:
-    """Cross-entropy (``task="wave"``: mean squared error); in the trainer worker of rank
+    """Cross-entropy (``wave`` and ``committee``: mean squared error); in the trainer worker of rank
     ``slow_rank`` it then sleeps ``delay_s``.
 
     Defined at module level so that it pickles to the workers. The rank comes from the key of
@@ -186,7 +219,7 @@ class StragglerLoss:
         self.slow_rank, self.delay_s, self.task = slow_rank, delay_s, task
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.task == "wave":
+        if self.task in ("wave", "committee"):
             loss = torch.nn.functional.mse_loss(output, target.reshape(output.shape))
         else:
             loss = torch.nn.functional.cross_entropy(output, target)
@@ -267,8 +300,9 @@ def step_time(history: dt.History) -> float:
 def per_batch_compute(task: str, kind: str) -> float:
     """Forward + backward of one batch on this process, 1 thread (for the record)."""
     model = student(task, kind)
-    x = torch.randn(BATCH, WAVE_FEATURES if task == "wave" else FEATURES)
-    y = torch.randn(BATCH, 1) if task == "wave" else torch.randint(0, CLASSES, (BATCH,))
+    features = {"wave": WAVE_FEATURES, "committee": COMMITTEE_FEATURES}.get(task, FEATURES)
+    x = torch.randn(BATCH, features)
+    y = torch.randint(0, CLASSES, (BATCH,)) if task == "teacher" else torch.randn(BATCH, 1)
     loss = StragglerLoss(task=task)
     times = []
     for _ in range(50):
@@ -359,7 +393,9 @@ def _fmt(value: float, spec: str) -> str:
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
                                                        argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs of each fit (default: the task's, "
+                        f"{', '.join(f'{t} {e}' for t, e in EPOCHS.items())})")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rows", type=int, default=ROWS,
                         help=f"rows of the training set (default {ROWS:,})")
@@ -377,7 +413,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
                         help="how many times slower the straggler's steps are (default 3)")
     parser.add_argument("--window", type=int, default=3072,
                         help="samples in the training-loss smoothing window (default 3072)")
-    parser.add_argument("--target-factor", type=float, default=1.1)
+    parser.add_argument("--target-factor", type=float, default=1.1,
+                        help="the target is this x the smoothed loss sync ends with, no "
+                        "straggler (default 1.1; not for a task with a fixed target)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="a fixed target loss instead (default: the task's, "
+                        f"{', '.join(f'{t} {v:g}' for t, v in TARGET.items() if v)})")
     parser.add_argument("--model", choices=("mlp", "linear"), default="mlp",
                         help="teacher task: mlp (default, non-convex) or linear (softmax "
                         "regression, convex)")
@@ -441,14 +482,16 @@ def report(results: Runs, args: argparse.Namespace, optimizer: str, lr: float,
     """Print the table of one optimizer's runs and what it reads; returns the table."""
     sync_end = statistics.median(smoothed(h, args.window)[-1]
                                  for h, _, _ in results[("sync", False)])
-    target = args.target_factor * sync_end
+    fixed = args.target if args.target is not None else TARGET[args.task]
+    target = fixed if fixed is not None else args.target_factor * sync_end
     table = {key: summarise([measure(h, s, f, target, args.window) for h, s, f in runs])
              for key, runs in results.items()}
     described = (f"SGD lr {lr:g} momentum {MOMENTUM:g}" if optimizer == "sgd"
                  else f"Adam lr {lr:g} betas (0.9, 0.999)")
-    print(f"\nTarget: smoothed training loss <= {target:.4f} ({args.target_factor:g} x the "
-          f"{sync_end:.4f} sync ends with, no straggler). {WORKERS} workers, batch {BATCH} "
-          f"each, {args.epochs} epochs of {args.rows} rows, {args.task}"
+    how = (f"fixed; sync ends with {sync_end:.4f} without the straggler" if fixed is not None
+           else f"{args.target_factor:g} x the {sync_end:.4f} sync ends with, no straggler")
+    print(f"\nTarget: smoothed training loss <= {target:.4g} ({how}). {WORKERS} workers, "
+          f"batch {BATCH} each, {args.epochs} epochs of {args.rows} rows, {args.task}"
           f"{f' {args.model}' if args.task == 'teacher' else ''}, {described}; straggler: "
           f"rank {args.slow_rank}, {args.slowdown:g}x slower.\n")
     print("| mode | straggler | time to target (s) | updates (k samples) to target | final loss "
@@ -483,7 +526,9 @@ def main() -> None:
     parser, args = parse_args()
     if not 0 <= args.slow_rank < WORKERS:
         parser.error(f"--slow-rank must be in [0, {WORKERS})")
-    if args.task == "wave" and args.model != "mlp":
+    if args.epochs is None:
+        args.epochs = EPOCHS[args.task]
+    if args.task != "teacher" and args.model != "mlp":
         parser.error("--model linear is a variant of the teacher task")
     torch.set_num_threads(1)
     configs = [c for c in CONFIGS + EXTRA if c[0] in args.only] if args.only else CONFIGS
