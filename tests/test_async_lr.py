@@ -15,7 +15,7 @@ import torch
 
 import dasktrain as dt
 from dasktrain.trainer.holder import HolderConfig, ParameterHolder
-from dasktrain.trainer.modes.momentum import ImplicitMomentum
+from dasktrain.trainer.modes.momentum import ImplicitMomentum, Relaxation, compensated
 from tests.common.training import zeros
 
 F32 = np.float32
@@ -45,13 +45,19 @@ async def _first_moment(holder: ParameterHolder) -> float:
     return group["momentum"] if "momentum" in group else group["betas"][0]
 
 
-def _expected_momenta(momentum: float, workers: int, staleness: list[int]) -> list[float]:
+def _expected_momenta(momentum: float, workers: int, staleness: list[int],
+                      share: float = 1 / 3, level: float = 1.0) -> list[float]:
     """By hand: the running mean staleness starts at W - 1 and takes 5 % of each update's;
-    implicit momentum τ̄ / (1 + τ̄); the optimizer runs at max(0, momentum - implicit)."""
+    implicit momentum μ = τ̄ / (1 + τ̄) per update, μ^(1/share) per global batch; the
+    optimizer runs at min(momentum, max(0, momentum - μ^(1/share))^share) (level 1: the
+    loss did not rise), max(0, momentum - μ) at level 0, linear between."""
     mean, out = float(workers - 1), []
     for s in staleness:
         mean = 0.95 * mean + 0.05 * s
-        out.append(max(0.0, momentum - mean / (1.0 + mean)))
+        mu = mean / (1.0 + mean)
+        damped = max(0.0, momentum - mu)
+        relaxed = min(momentum, max(0.0, momentum - mu ** (1 / share)) ** share)
+        out.append(damped + level * (relaxed - damped))
     return out
 
 
@@ -136,7 +142,9 @@ def test_sgd_momentum_is_lowered_by_the_implicit_momentum_of_the_staleness_seen(
         _holder(dt.optim.sgd(0.1, momentum=0.9), workers=3, batch_size=4)))
     expected = _expected_momenta(0.9, 3, STALENESS)
     assert momenta == pytest.approx(expected, abs=1e-12)
-    assert 0.2 < expected[0] < 0.3  # 0.9 - 1.9/2.9: the sum stays at 0.9, not 1.57
+    # (0.9 - (1.9/2.9)^3)^(1/3): 0.9 a global batch in all, not 1.18; per update the
+    # implicit momentum's 0.66 would have left 0.24.
+    assert 0.84 < expected[0] < 0.86
     # The coefficients are the ones stepped with: momentum SGD by hand, lr 0.1 x 4/12.
     buffer, w = np.zeros(3), np.zeros(3)
     for g, m, got in zip(GRADS, expected, params, strict=True):
@@ -200,15 +208,16 @@ def test_one_worker_has_no_staleness_to_compensate():
 
 
 def test_momentum_compensated_to_zero_restarts_from_fresh_gradients():
-    """With momentum 0.5 and 3 workers the implicit momentum (about 2/3) takes all of it:
-    plain SGD steps. When the two others have left and worker 0 pushes fresh gradients,
-    the staleness seen falls, momentum comes back, and its buffer starts from the gradients
-    of then, not from one left over from before."""
+    """With momentum 0.25 and 3 workers the implicit momentum (about 0.28 a global batch)
+    takes all of it: plain SGD steps. When the two others have left and worker 0 pushes
+    fresh gradients (each a whole step of ``sync``'s, share 1), the staleness seen falls,
+    momentum comes back, and its buffer starts from the gradients of then, not from one
+    left over from before."""
     rng = np.random.default_rng(11)
-    grads = [rng.standard_normal(3).astype(F32) for _ in range(30)]
+    grads = [rng.standard_normal(3).astype(F32) for _ in range(60)]
 
     async def scenario():
-        holder = await _started(_holder(dt.optim.sgd(0.1, momentum=0.5), workers=3,
+        holder = await _started(_holder(dt.optim.sgd(0.1, momentum=0.25), workers=3,
                                         batch_size=4))
         await holder.push(0, 1, 0, grads[0], 4, 0.1, (0, 1))  # staleness 0, others live
         await holder.push(1, 1, 0, grads[1], 4, 0.1, (0, 1))  # staleness 1
@@ -222,7 +231,9 @@ def test_momentum_compensated_to_zero_restarts_from_fresh_gradients():
         return seen
 
     seen = asyncio.run(scenario())
-    momenta = _expected_momenta(0.5, 3, [0, 1] + [0] * 28)
+    # Two updates of a third of a global batch, then whole ones (fresh, alone).
+    momenta = (_expected_momenta(0.25, 3, [0, 1])
+               + _expected_momenta(0.25, 3, [0, 1] + [0] * 58, share=1.0)[2:])
     assert momenta[:3] == [0.0] * 3 and momenta[-1] > 0.1  # it does come back
     w = -0.1 / 3 * (grads[0].astype(float) + grads[1])  # two plain steps at 1/3 of the rate
     buffer = None
@@ -277,7 +288,92 @@ def test_a_checkpoint_of_a_compensated_run_resumed_without_compensation_uses_the
         return state["optimizer"]["param_groups"][0]["momentum"], momentum
 
     saved, resumed = asyncio.run(scenario())
-    assert saved < 0.3 and resumed == 0.9
+    assert saved < 0.86 and resumed == 0.9
+
+
+def _levels(losses: list[float], samples: float, global_batch: float) -> list[float]:
+    """By hand: two running means of the loss over 2 and 16 global batches (a weight of
+    1 - exp(-samples / span) on each update's); when the short one is more than 10 % of the
+    long one above it, the level halves and the long one restarts from the short one;
+    otherwise the level grows by 0.002, up to 1."""
+    short = long = None
+    level, out = 1.0, []
+    for loss in losses:
+        if short is None:
+            short = long = loss
+        else:
+            short += (1 - math.exp(-samples / (2 * global_batch))) * (loss - short)
+            long += (1 - math.exp(-samples / (16 * global_batch))) * (loss - long)
+            if short - long > 0.1 * abs(long):
+                level, long = level / 2, short
+            else:
+                level = min(1.0, level + 0.002)
+        out.append(level)
+    return out
+
+
+def test_a_rising_loss_halves_how_far_the_compensation_is_relaxed():
+    relaxation = Relaxation(global_batch=12)
+    losses = [1.0, 1.0, 0.9, 3.0, 1.0, 1.0, math.nan, 0.8]
+    levels = []
+    for loss in losses:
+        relaxation.observe(loss, 4)
+        levels.append(relaxation.level)
+    assert levels[6] == levels[5]  # a refused (non-finite) update says nothing
+    assert levels[:6] + levels[7:] == pytest.approx(
+        _levels([v for v in losses if math.isfinite(v)], 4, 12))
+    # The jump to 3.0 lifts the short mean (over 24 samples) to about 1.29 and the long one
+    # (over 192) to 1.04: 25 % above it, so the level halves; then it grows back.
+    assert levels[:4] == [1.0, 1.0, 1.0, 0.5] and levels[4] == pytest.approx(0.502)
+    assert relaxation.tightened == 1
+
+
+def test_the_momentum_moves_towards_the_damped_rule_as_far_as_the_loss_rose():
+    """SGD momentum 0.9, 3 workers of batch 4: each update's coefficient is the damped
+    max(0, 0.9 - μ) plus the level times the way to (0.9 - μ^3)^(1/3), the level halved
+    by the loss's rise (by hand: :func:`_levels`), and the parameters are momentum SGD with
+    those coefficients."""
+    losses = [1.0, 1.0, 4.0, 4.0, 1.0]
+
+    async def scenario():
+        holder = await _started(_holder(dt.optim.sgd(0.1, momentum=0.9), workers=3,
+                                        batch_size=4))
+        params, momenta = [], []
+        for i, ((worker, version), g, loss) in enumerate(zip(PUSHES, GRADS, losses,
+                                                               strict=True)):
+            p, _ = await holder.push(worker, 1, version, g, 4, loss, (0, i + 1))
+            params.append(p)
+            momenta.append(await _first_moment(holder))
+        await holder.close()
+        return params, momenta
+
+    params, momenta = asyncio.run(scenario())
+    levels = _levels(losses, 4, 12)
+    assert levels[2] == 0.5 and levels[3] == 0.25  # two rises: halved twice
+    damped = _expected_momenta(0.9, 3, STALENESS, level=0.0)
+    relaxed = _expected_momenta(0.9, 3, STALENESS, level=1.0)
+    expected = [d + lv * (r - d) for d, r, lv in zip(damped, relaxed, levels, strict=True)]
+    assert momenta == pytest.approx(expected, abs=1e-12)
+    assert expected[3] < expected[1] - 0.4  # the loss's rise took most of it back
+    buffer, w = np.zeros(3), np.zeros(3)
+    for g, m, got in zip(GRADS, expected, params, strict=True):
+        buffer = m * buffer + g
+        w = w - 0.1 / 3 * buffer
+        np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-7)
+
+
+def test_the_heavy_ball_compensation_per_global_batch_by_hand():
+    # async, 3 workers: μ = 2/3 a gradient, (2/3)^3 = 8/27 a global batch; 0.9 - 8/27 =
+    # 0.6037 a global batch, its cube root a third of one.
+    assert compensated(0.9, 2 / 3, 1 / 3) == pytest.approx(0.6037037 ** (1 / 3))
+    assert compensated(0.9, 2 / 3, 1 / 3) == pytest.approx(0.84516, abs=1e-5)
+    # soft, 2 of 3: μ = 1/3 an update of 2/3 of a global batch.
+    assert compensated(0.9, 1 / 3, 2 / 3) == pytest.approx((0.9 - (1 / 3) ** 1.5) ** (2 / 3))
+    # Per update (a whole global batch): m - μ, or nothing left.
+    assert compensated(0.9, 2 / 3) == pytest.approx(0.9 - 2 / 3)
+    assert compensated(0.5, 0.9, 1 / 3) == 0.0
+    # Little staleness would give more than m per update (0.918): never more than asked.
+    assert (0.9 - 0.5**3) ** (1 / 3) > 0.9 and compensated(0.9, 0.5, 1 / 3) == 0.9
 
 
 def test_implicit_momentum_is_staleness_over_one_plus_staleness():

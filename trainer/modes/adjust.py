@@ -10,10 +10,11 @@ Always, so that an optimizer's settings mean what they mean in ``sync``:
   the epoch, all fresh, is the step ``sync`` would take and gets the full rate (so ``soft``
   waiting for all N is ``sync``, and one worker alone trains as one process).
 * **Momentum is compensated** (``momentum_compensation=True``, the default): staleness acts
-  as momentum of its own, μ = τ̄ / (1 + τ̄) for the mean staleness τ̄ seen. Under a heavy-ball
-  momentum (SGD, LARS) the optimizer's momentum is lowered by μ; under an averaging one
-  (Adam, AdamW, LAMB: its first beta) the step is scaled by 1 - μ instead, its beta kept
-  (see :mod:`.momentum`).
+  as momentum of its own, μ = τ̄ / (1 + τ̄) per update for the mean staleness τ̄ seen. Under
+  a heavy-ball momentum (SGD, LARS) the optimizer's momentum is lowered by μ counted per
+  global batch, and towards μ per update when the training loss rises; under an averaging
+  one (Adam, AdamW, LAMB: its first beta) the step is scaled by 1 - μ instead, its beta
+  kept (see :mod:`.momentum`).
 
 Options:
 
@@ -44,7 +45,7 @@ import torch
 from dasktrain.trainer.holder.arithmetic import as_tensor
 from dasktrain.trainer.holder.divergence import all_finite
 from dasktrain.trainer.modes.base import Adjust, Adjusted, Contribution, Host, UpdateMode
-from dasktrain.trainer.modes.momentum import ImplicitMomentum, compensated, step_factor
+from dasktrain.trainer.modes.momentum import ImplicitMomentum, Relaxation, compensated, step_factor
 
 __all__ = ["StaleGradientMode", "staleness_rule"]
 
@@ -109,6 +110,7 @@ class StaleGradientMode(UpdateMode):
                                 or type(self).fields is not StaleGradientMode.fields)
         self._momentum: float | None = None  # the optimizer's own, when compensated
         self._implicit: ImplicitMomentum | None = None
+        self._relaxation: Relaxation | None = None  # per update .. per global batch
         self._through_step = False  # compensated by the step's size (averaging momentum)
         self.adjuster: Adjust | None = None  # what to pass as apply's adjust
         if host is None:
@@ -118,6 +120,10 @@ class StaleGradientMode(UpdateMode):
             self._momentum = own
             self._implicit = ImplicitMomentum(self.expected_staleness())
             self._through_step = host.optimizer.first_moment_is_average
+            # Without a batch size every update counts as a whole one; an averaging
+            # momentum's step keeps the per-update rule (see .momentum).
+            if host.batch_size is not None and not self._through_step:
+                self._relaxation = Relaxation(host.workers * host.batch_size)
         shares = host.batch_size is not None and host.workers > 1
         # Without anything to change, an update is the host's plain one: no per-push work
         # on the hot path.
@@ -145,7 +151,9 @@ class StaleGradientMode(UpdateMode):
                 "mean_square": None if self._mean_square is None
                 else self._mean_square.clone(),
                 "implicit_momentum": None if self._implicit is None
-                else self._implicit.state_dict()}
+                else self._implicit.state_dict(),
+                "relaxation": None if self._relaxation is None
+                else self._relaxation.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sent = {int(w): t.clone() for w, t in state.get("sent", {}).items()}
@@ -153,6 +161,8 @@ class StaleGradientMode(UpdateMode):
         self._mean_square = None if ms is None else ms.clone()
         if self._implicit is not None and state.get("implicit_momentum") is not None:
             self._implicit.load_state_dict(state["implicit_momentum"])
+        if self._relaxation is not None and state.get("relaxation") is not None:
+            self._relaxation.load_state_dict(state["relaxation"])
 
     # -- the arithmetic ------------------------------------------------------------------
     def fields(self, contribution: Contribution) -> dict[str, Any]:
@@ -176,22 +186,30 @@ class StaleGradientMode(UpdateMode):
             return 1.0
         return sum(c.count for c in contributions) / (host.workers * host.batch_size)
 
-    def compensation(self, contributions: list[Contribution], total: float
+    def compensation(self, contributions: list[Contribution], total: float, share: float
                      ) -> tuple[float | None, float]:
         """``(momentum, factor on the learning rate)`` of an update of ``contributions``
-        (``total`` samples), from the implicit momentum μ of the staleness seen so far,
-        this update's included (see :mod:`.momentum`): a heavy-ball momentum lowered by μ,
-        or an averaging one kept and the step scaled by 1 - μ; ``(None, 1)`` when not
-        compensated."""
+        (``total`` samples, ``share`` of a global batch: see :meth:`sample_share`), from
+        the implicit momentum μ of the staleness seen so far, this update's included (see
+        :mod:`.momentum`): a heavy-ball momentum lowered by μ counted per global batch, or
+        per update as far as the loss's rises have tightened it; an averaging one kept and
+        the step scaled by 1 - μ; ``(None, 1)`` when not compensated."""
         if self._implicit is None:
             return None, 1.0
         version = self.host.version
         staleness = sum(c.count * (version - c.version) for c in contributions) / total \
             if total else 0.0
         self._implicit.observe(staleness)
+        implicit = self._implicit.value
         if self._through_step:
-            return None, step_factor(self._implicit.value)
-        return compensated(self._momentum, self._implicit.value), 1.0
+            return None, step_factor(implicit)
+        momentum = compensated(self._momentum, implicit)  # per update: the most damped
+        relaxation = self._relaxation
+        if relaxation is not None and total:
+            relaxation.observe(sum(c.count * c.loss for c in contributions) / total, total)
+            momentum = relaxation.between(momentum,
+                                          compensated(self._momentum, implicit, share))
+        return momentum, 1.0
 
     def adjust(self, contributions: list[Contribution]) -> Adjusted:
         """This update's learning-rate share, momentum, staleness scaling and delay
@@ -199,8 +217,9 @@ class StaleGradientMode(UpdateMode):
         host = self.host
         counts = [float(c.count) for c in contributions]
         total = sum(counts)
-        first_moment, factor = self.compensation(contributions, total)
-        lr_scale = self.sample_share(contributions) * factor
+        share = self.sample_share(contributions)
+        first_moment, factor = self.compensation(contributions, total, share)
+        lr_scale = share * factor
         if not self._records_fields:
             return Adjusted(lr_scale=lr_scale, first_moment=first_moment)
         scales = [1.0] * len(contributions)
