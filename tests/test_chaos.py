@@ -177,8 +177,14 @@ def _fit_through(local: LocalCluster, client: Client, rows: Any, tmp_path: Path,
     elif fault == "retire":
         # Where work is claimed, the worker leaves with the batch in hand done; where its
         # rank owns a stride, its task is run again on another Dask worker to finish it.
-        assert "worker 2 left: its Dask worker is retiring" in events or (
-            mode == "sync" and "worker 2 rejoined" in events), events
+        # The scheduler forgets a retired worker at once, so the holder's watch may see its
+        # Dask worker gone before the leave arrives (in `average`, a run of local steps
+        # later): then it is dropped, and its leave refused. Either way it goes out once
+        # and what it claimed goes back to the pool (the rows, checked above).
+        went = [e for e in history.events
+                if "worker 2 left: its Dask worker is retiring" in e
+                or ("worker 2 dropped: its Dask worker" in e and "is gone" in e)]
+        assert len(went) == 1 or (mode == "sync" and "worker 2 rejoined" in events), events
     else:
         assert "worker 3 joined" in events, events
         # From the next epoch on it counts in the world (the added process may be up
