@@ -23,8 +23,9 @@ Tasks (non-convex, where staleness hurts; ``--task``):
   from the small differences between them. Sustained momentum is what crosses the saddle
   fast, which is what a mode that damps momentum for staleness loses. Its target is fixed,
   not read off ``sync``: a smoothed loss of 0.002, past the plateau by a factor of 15 to
-  35 (``sync`` goes on to about 0.0003, a floor a noisier update need not reach to have
-  crossed it), and its fits run 8 epochs (``sync`` crosses in the fourth or fifth).
+  35 (``sync`` goes on to 0.0001-0.0004, a floor a noisier update need not reach to have
+  crossed it), and its fits run 8 epochs (``sync`` crosses in its sixth under SGD, its
+  third under Adam).
 
 Optimizers (``--optimizer``, default both, one after the other on the same cluster): SGD
 with momentum 0.9, and Adam (betas 0.9, 0.999); the learning rate of each task and
@@ -105,6 +106,8 @@ TASKS = ("teacher", "wave", "committee")
 COMMITTEE_FEATURES, COMMITTEE_UNITS, COMMITTEE_INIT = 16, 4, 0.01
 # Per task: epochs by default, and a fixed target (None: target-factor x sync's end).
 EPOCHS = {"teacher": 4, "wave": 4, "committee": 8}
+REGRESSION = ("wave", "committee")  # mean squared error; teacher is classification
+FEATURES_OF = {"teacher": FEATURES, "wave": WAVE_FEATURES, "committee": COMMITTEE_FEATURES}
 TARGET = {"teacher": None, "wave": None, "committee": 0.002}
 # The learning rate of each task and optimizer, where ``sync`` trains well (one step per
 # global batch of 3 x 128): see the module's docstring.
@@ -219,7 +222,7 @@ class StragglerLoss:
         self.slow_rank, self.delay_s, self.task = slow_rank, delay_s, task
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.task in ("wave", "committee"):
+        if self.task in REGRESSION:
             loss = torch.nn.functional.mse_loss(output, target.reshape(output.shape))
         else:
             loss = torch.nn.functional.cross_entropy(output, target)
@@ -300,9 +303,8 @@ def step_time(history: dt.History) -> float:
 def per_batch_compute(task: str, kind: str) -> float:
     """Forward + backward of one batch on this process, 1 thread (for the record)."""
     model = student(task, kind)
-    features = {"wave": WAVE_FEATURES, "committee": COMMITTEE_FEATURES}.get(task, FEATURES)
-    x = torch.randn(BATCH, features)
-    y = torch.randint(0, CLASSES, (BATCH,)) if task == "teacher" else torch.randn(BATCH, 1)
+    x = torch.randn(BATCH, FEATURES_OF[task])
+    y = torch.randn(BATCH, 1) if task in REGRESSION else torch.randint(0, CLASSES, (BATCH,))
     loss = StragglerLoss(task=task)
     times = []
     for _ in range(50):
