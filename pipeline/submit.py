@@ -67,8 +67,13 @@ def placement_kwargs(placement: str, client: Client | None) -> dict[str, Any]:
     # and the ones sent ahead run before earlier blocks still queued, so the next batch
     # waits. Sent at once, each worker runs its blocks in priority order; the pipeline
     # bounds what is in flight itself (``prefetch``).
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    return {"workers": workers, "allow_other_workers": True} if workers else {}
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    # Workers that declare a GPU run the model replicas: a block task there would share the
+    # replica's process, and so its interpreter lock, with the loop that feeds the GPU.
+    # Blocks go to the CPU-only workers where there are any.
+    cpu_only = [a for a, w in workers.items() if "GPU" not in (w.get("resources") or {})]
+    named = sorted(cpu_only or workers)
+    return {"workers": named, "allow_other_workers": True} if named else {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

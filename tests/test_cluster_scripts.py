@@ -149,3 +149,61 @@ def test_train_script_on_a_scheduler_and_workers_started_by_the_scripts(tmp_path
     # Predicting the mean costs var(y); the untrained model, more. The model learned y.
     assert loss < 0.3 * y.var().item()
     assert loss < 0.3 * trainer.history.loss[0]
+
+
+def jitter(arrays: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A transform, so the pipeline reads its blocks in Dask tasks on the cluster."""
+    out = dict(arrays)
+    out["x"] = arrays["x"] + rng.normal(0, 1e-3, arrays["x"].shape).astype(np.float32)
+    return out
+
+
+def fit_beside_cpu_workers(dataset: dt.Dataset, tmp_path: Path, **options
+                           ) -> tuple[dt.History, str]:
+    """Two epochs of ``sync`` with one replica on a cluster the scripts started as the docs
+    say for a GPU machine (``GPUS=1``: one worker declaring ``GPU=1``; ``NWORKERS=2`` CPU
+    workers beside it). Returns the History and the GPU worker's address, after checking
+    that the pipeline's block tasks ran, and none on the GPU worker (whose process is the
+    replica's)."""
+    from distributed import get_task_stream
+
+    from tests.common.training import mlp, mse
+
+    scheduler_file = tmp_path / "scheduler.json"
+    scheduler_log, workers_log = tmp_path / "scheduler.log", tmp_path / "workers.log"
+    # The scheduler and workers unpickle the tests' functions: they import them from here.
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    with _started([str(SCRIPTS / "start_scheduler.sh"), "--no-dashboard",
+                   "--scheduler-file", str(scheduler_file)],
+                  _env(PORT="0", PYTHONPATH=python_path), scheduler_log) as scheduler:
+        address = _poll(lambda: scheduler_file.exists() and
+                        json.loads(scheduler_file.read_text() or "{}").get("address"),
+                        "scheduler address", 60, (scheduler, scheduler_log))
+        with _started([str(SCRIPTS / "start_workers.sh"), address, "--no-dashboard"],
+                      _env(GPUS="1", NWORKERS="2", MEMORY_LIMIT="2GiB",
+                           PYTHONPATH=python_path), workers_log) as workers, \
+                Client(address, timeout="30s") as client:
+            _poll(lambda: len(worker_info(client)) == 3, "3 connected workers", 90,
+                  (workers, workers_log), (scheduler, scheduler_log))
+            gpu = [a for a, w in worker_info(client).items()
+                   if (w.get("resources") or {}).get("GPU") == 1]
+            assert len(gpu) == 1, worker_info(client)
+            with get_task_stream(client) as stream:
+                trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), "sync", workers=1,
+                                     batch_size=16, transform=jitter, progress=False,
+                                     **options)
+                history = trainer.fit(dataset, epochs=2, client=client)
+    blocks = [t for t in stream.data if "dasktrain-batches-" in str(t["key"])]
+    assert blocks, "the pipeline ran no block task on the cluster"
+    assert not [t for t in blocks if t["worker"] == gpu[0]]
+    return history, gpu[0]
+
+
+@pytest.mark.slow
+def test_a_declared_gpu_worker_gets_the_replica_and_the_cpu_workers_the_blocks(
+        regression, tmp_path):
+    # No GPU is needed to check the placement: the resource is what the scheduler sees (a
+    # replica pinned to a CPU worker while asking for GPU=1 failed the fit in the scheduler).
+    history, gpu = fit_beside_cpu_workers(regression, tmp_path)
+    assert [w["address"] for w in history.epochs[-1]["per_worker"]] == [gpu]
+    assert len(history.epochs) == 2 and history.loss[-1] < history.loss[0]

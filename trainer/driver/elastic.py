@@ -18,12 +18,20 @@ from dasktrain._cluster import worker_info
 from dasktrain._deadline import wait_until
 from dasktrain.trainer.errors import TrainerError
 
-__all__ = ["WorkerPlaces", "running"]
+__all__ = ["WorkerPlaces", "replica_hosts", "running"]
 
 
 def running(workers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The workers that take tasks (not closing, not retiring)."""
     return {a: w for a, w in workers.items() if w.get("status", "running") == "running"}
+
+
+def replica_hosts(workers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The workers a model replica may run on: those that declare a ``GPU`` resource where
+    any does (each replica's task then asks for ``GPU=1``; pinned to a worker without one,
+    the scheduler fails the task), else all of them."""
+    gpus = {a: w for a, w in workers.items() if "GPU" in (w.get("resources") or {})}
+    return gpus or workers
 
 
 class WorkerPlaces:
@@ -65,10 +73,10 @@ class WorkerPlaces:
     def _count(self, left: float) -> int:
         """The Dask workers there are, once at least the least (else wait, up to ``left``
         seconds, and say so with TimeoutError)."""
-        workers = running(worker_info(self.client))
+        workers = replica_hosts(running(worker_info(self.client)))
         if len(workers) < self.least:
             self.client.wait_for_workers(self.least, timeout=min(left, 2.0))
-            workers = running(worker_info(self.client))
+            workers = replica_hosts(running(worker_info(self.client)))
         self.addresses = sorted(workers)
         return len(workers)
 
@@ -79,7 +87,8 @@ class WorkerPlaces:
         most: ``{worker: address}``, now in :attr:`placed`."""
         taken = {joined.get(w) or self.placed.get(w) for w in busy}
         free = [w for w in range(self.most) if w not in busy]
-        new = dict(zip(free, sorted(set(running(workers)) - taken), strict=False))
+        new = dict(zip(free, sorted(set(replica_hosts(running(workers))) - taken),
+                       strict=False))
         self.placed.update(new)
         return new
 

@@ -45,7 +45,7 @@ from dasktrain._deadline import wait_until
 from dasktrain._durable import StorageOptions
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.driver.checkpoint import save_checkpoint
-from dasktrain.trainer.driver.elastic import WorkerPlaces
+from dasktrain.trainer.driver.elastic import WorkerPlaces, replica_hosts
 from dasktrain.trainer.driver.update_log import KINDS, UpdateLog
 from dasktrain.trainer.driver.watch import PauseWatch
 from dasktrain.trainer.errors import (
@@ -121,11 +121,12 @@ class FitRun:
             raise TrainerError("the Dask cluster has no workers")
         self.addresses = sorted(workers)
         self._places = WorkerPlaces(client, min_workers or worker_config.workers,
-                                    worker_config.workers, self.addresses, timeout)
+                                    worker_config.workers, sorted(replica_hosts(workers)),
+                                    timeout)
         if self._places.elastic:  # a retired worker's trainer then leaves before it goes
             client.register_plugin(RetireWatch())
         else:  # an elastic run has one trainer worker per Dask worker
-            _warn_if_oversubscribed(worker_config, workers)
+            _warn_if_oversubscribed(worker_config, replica_hosts(workers))
         self._gpu = any("GPU" in (w.get("resources") or {}) for w in workers.values())
         if holder_worker is not None and holder_worker not in workers:
             raise ValueError(f"holder_worker {holder_worker!r} is not a worker of this "
