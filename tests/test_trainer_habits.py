@@ -172,6 +172,21 @@ def test_fp16_scales_the_loss_and_trains(client, regression):
     assert history.loss[-1] < history.loss[0]
 
 
+def test_fp16_keeps_its_loss_scale_from_epoch_to_epoch(client, regression):
+    # 1,000 x MSE overflows float16 at the first scale (2^16): each worker skips steps,
+    # halving its scale, until its gradients fit, once. A scale made again each epoch
+    # skipped nearly every step of every epoch (19 of 20).
+    def loud(output, target):
+        return 1000.0 * mse(output, target)
+
+    trainer = dt.Trainer(mlp, loud, dt.optim.adam(0.02), "sync", workers=2, batch_size=16,
+                         precision="fp16", progress=False)
+    history = trainer.fit(regression, epochs=4, client=client)
+    overflows = [e["overflow_steps"] for e in history.epochs]
+    assert overflows[0] >= 2 and overflows[-1] == 0, overflows
+    assert history.loss[-1] < 0.5 * history.loss[0]
+
+
 def test_early_stopping_stops_at_the_right_epoch_with_a_resumable_checkpoint(
         client, regression, tmp_path):
     # min_delta so large that only the first epoch counts as an improvement: with

@@ -55,6 +55,9 @@ def epoch_record(epoch: int, reports: list[dict[str, Any]], wall: float,
         # Batches whose loss was not finite (on_nonfinite="skip"): refused by the
         # holder, and left out of "train" so that one bad batch cannot make it NaN.
         "skipped_steps": sum(int(r.get("skipped_nonfinite", 0)) for r in reports),
+        # precision="fp16": batches whose scaled gradients overflowed float16, skipped by
+        # their worker (which then lowered its loss scale), not pushed.
+        "overflow_steps": sum(int(r.get("skipped_overflow", 0)) for r in reports),
         # Per worker, so a report can show which replica waited on data or lagged.
         "per_worker": [
             {"worker": int(r["worker"]), "samples": int(r["samples"]),

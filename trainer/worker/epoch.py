@@ -94,6 +94,9 @@ class Replica:
     asker: ThreadPoolExecutor | None = None  # asks for the next epoch while it computes
     gate: ForwardGate | None = None  # forward passes begun while a reply arrives
     gate_tried: bool = False
+    # precision="fp16": kept from one epoch to the next, as torch's GradScaler is; a new
+    # scale each epoch skipped the first steps of every epoch again.
+    scale: LossScale | None = None
 
 
 class AheadOfTheHolder(Exception):
@@ -200,7 +203,10 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
     compute = wait = 0.0
     samples = in_buckets = nonfinite = 0
     totals = MetricTotals()
-    scale = LossScale(config.compute.precision == "fp16")
+    if replica.scale is None:
+        replica.scale = LossScale(config.compute.precision == "fp16")
+    scale = replica.scale
+    overflowed_before = scale.skipped
     readiness = _readiness(strategy, handle, flat, scale)
     gate = _gate(replica)
 
@@ -294,7 +300,7 @@ def train_epoch(replica: Replica, info: dict[str, Any] | None, epoch: int,
             # Of that wait, the epoch's first batch: the pipeline starting, not keeping up.
             "first_batch_s": pipe.stats.wait_per_batch[0] if pipe.stats.wait_per_batch else 0.0,
             "stall": pipe.stats.wait_total / elapsed if elapsed > 0 else 0.0,
-            "metrics": totals.to_dict(), "skipped_overflow": scale.skipped,
+            "metrics": totals.to_dict(), "skipped_overflow": scale.skipped - overflowed_before,
             "skipped_nonfinite": nonfinite,
             "exchange_via": handle.via, "transport": handle.transport, "retired": retired,
             "pushes_in_buckets": in_buckets, "replies_streamed": bool(gate and gate.verified),
