@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds :meth:`Pipeline.close` waits for each part of its work still running.
 _CLOSE_WAIT = 10.0
+#: Groups of blocks in flight at least, where ``prefetch`` is left to its default.
+DEFAULT_PREFETCH = 4
+#: Threads that read blocks where the consumer reads them itself (placement "consumer").
+CONSUMER_THREADS = 2
 _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
                "shuffle_blocks", "block_rows", "drop_last", "shares")
 # May differ at an epoch boundary: the next epoch is cut anew.
@@ -76,7 +80,11 @@ class Pipeline:
     prefetch
         Groups of blocks' worth of rows in flight for this consumer: memory held for it is
         at most about ``prefetch x shuffle_blocks x block_rows`` rows, however large the
-        dataset.
+        dataset. Default (None): 4 groups, or two batches for each process that reads
+        this consumer's blocks if that is more (``2 x ceil(readers / world_size) x
+        batch_size`` rows, as a DataLoader's two batches per worker process), so that
+        every worker of a large cluster has work even where a batch spans many chunks
+        (images: a 4 MiB chunk holds a few dozen of them).
     prefetch_next_epoch
         Once an epoch is all submitted, let the freed prefetch slots start on the next
         epoch, so that its first batches are ready when it begins (within the same
@@ -128,7 +136,7 @@ class Pipeline:
         shuffle: bool = True,
         seed: int = 0,
         transform: Transform | None = None,
-        prefetch: int = 4,
+        prefetch: int | None = None,
         prefetch_next_epoch: bool = True,
         shuffle_blocks: int = 1,
         block_rows: int | None = None,
@@ -151,8 +159,8 @@ class Pipeline:
              f"batch_size must be a positive integer, got {batch_size!r}"),
             (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0,
              f"seed must be a non-negative integer, got {seed!r}"),
-            (isinstance(prefetch, int) and prefetch >= 1,
-             f"prefetch must be >= 1, got {prefetch!r}"),
+            (prefetch is None or (isinstance(prefetch, int) and prefetch >= 1),
+             f"prefetch must be None or >= 1, got {prefetch!r}"),
             (isinstance(shuffle_blocks, int) and shuffle_blocks >= 1,
              f"shuffle_blocks must be >= 1, got {shuffle_blocks!r}"),
             (block_rows is None or (isinstance(block_rows, int) and block_rows > 0),
@@ -340,7 +348,7 @@ class Pipeline:
                 # Two threads: one decodes (zarr and its codecs release the GIL) while the
                 # other shuffles and cuts; units still finish in order, near enough.
                 self._local = concurrent.futures.ThreadPoolExecutor(
-                    2, thread_name_prefix="dasktrain-read")
+                    CONSUMER_THREADS, thread_name_prefix="dasktrain-read")
         else:
             client = self.client
         return Submitter(placement=self.placement, token=self._token, rank=self.rank,
@@ -352,7 +360,19 @@ class Pipeline:
 
     @property
     def _prefetch_rows(self) -> int:
-        return self.prefetch * self.shuffle_blocks * self.block_rows
+        groups = (self.prefetch or DEFAULT_PREFETCH) * self.shuffle_blocks * self.block_rows
+        if self.prefetch is not None:
+            return groups
+        per_rank = -(-self._readers() // self.world_size)
+        return max(groups, 2 * per_rank * self.batch_size)
+
+    def _readers(self) -> int:
+        """Processes (threads, where the consumer reads) that read this consumer's blocks."""
+        if self.placement == "consumer":
+            return CONSUMER_THREADS
+        if self.placement == "local":
+            return 1
+        return max(1, len(placement_kwargs(self.placement, self.client).get("workers", ())))
 
     def start(self) -> None:
         """Begin reading the current epoch's first batches now, before the iteration asks

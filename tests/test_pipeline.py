@@ -362,7 +362,7 @@ def test_corrupt_chunk_names_array_and_chunk(client, tmp_path):
     ({"batch_size": 8, "seed": -1}, "seed must be a non-negative integer"),
     ({"batch_size": 8, "seed": 1.5}, "seed must be a non-negative integer"),
     ({"batch_size": 8, "rank": 2, "world_size": 2}, "rank must lie in"),
-    ({"batch_size": 8, "prefetch": 0}, "prefetch must be >= 1"),
+    ({"batch_size": 8, "prefetch": 0}, "prefetch must be None or >= 1"),
     ({"batch_size": 8, "placement": "moon"}, "placement must be one of"),
 ])
 def test_bad_settings_are_refused_up_front(indexed, kwargs, message):

@@ -25,9 +25,10 @@ from dasktrain.trainer.driver.rows import ArraysTransform, batches
 from dasktrain.trainer.driver.vocabulary import check_vocabulary, computing
 from dasktrain.trainer.errors import TrainerError
 from dasktrain.trainer.worker.compute import BatchCompute, MetricTotals, batch_size_of
+from dasktrain.trainer.worker.loop import pick_device
 
 __all__ = ["ForwardFunction", "compact_copy", "evaluate_on_cluster", "evaluation_transform",
-           "predict_on_cluster"]
+           "inference_device", "predict_on_cluster"]
 
 ForwardFunction = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -49,33 +50,66 @@ def _forward(model: torch.nn.Module, forward: ForwardFunction | None, batch: Any
     return model(batch[0] if isinstance(batch, tuple) else batch)
 
 
-def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
-                   dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool,
-                   threads: int, transform: ArraysTransform | None) -> np.ndarray:
+def inference_device(requested: str | None) -> torch.device:
+    """Where a prediction or evaluation task computes: the trainer's device, else CUDA
+    when this worker sees a GPU. A task on a worker that sees none (they run on any
+    worker, the data-loading ones too) computes on the CPU: the same numbers, slower."""
+    device = pick_device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return device
+
+
+def _placed(model: torch.nn.Module, requested: str | None, threads: int
+            ) -> tuple[torch.nn.Module, torch.device]:
+    """The task's model on its device, in eval mode. A copy goes to a GPU: the one the
+    worker holds is shared by every task of this call that runs there."""
     tune_allocator()
     if threads:
         torch.set_num_threads(threads)
+    device = inference_device(requested)
+    if device.type != "cpu":
+        model = copy.deepcopy(model).to(device)
     model.eval()
+    return model, device
+
+
+def _on(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, a pair, a dict batch) with its tensors on ``device``."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, NamedBatch):
+        return NamedBatch({n: t.to(device, non_blocking=True) for n, t in batch.items()},
+                          batch.roles)
+    if isinstance(batch, tuple):
+        return tuple(_on(part, device) for part in batch)
+    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
+
+
+def _predict_block(model: torch.nn.Module, forward: ForwardFunction | None,
+                   dataset: Dataset, start: int, stop: int, batch_size: int, as_dict: bool,
+                   threads: int, transform: ArraysTransform | None,
+                   device: str | None = None) -> np.ndarray:
+    model, where = _placed(model, device, threads)
     outputs = []
     with torch.no_grad():
         for batch in batches(dataset, start, stop, batch_size, as_dict, transform):
-            output = _forward(model, forward, batch)
+            output = _forward(model, forward, _on(batch, where))
             outputs.append(output.detach().cpu().numpy())
     return np.concatenate(outputs)
 
 
 def _evaluate_block(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
                     start: int, stop: int, batch_size: int, as_dict: bool,
-                    threads: int, transform: ArraysTransform | None) -> dict[str, Any]:
-    tune_allocator()
-    if threads:
-        torch.set_num_threads(threads)
-    model.eval()
+                    threads: int, transform: ArraysTransform | None,
+                    device: str | None = None) -> dict[str, Any]:
+    model, where = _placed(model, device, threads)
     totals = MetricTotals()
     correct = counted = 0
     with torch.no_grad():
         for batch in batches(dataset, start, stop, batch_size, as_dict, transform):
-            loss, values, pair = compute(model, batch, torch.device("cpu"))
+            batch = _on(batch, where)
+            loss, values, pair = compute(model, batch, where)
             n = batch_size_of(batch)
             totals.add({"loss": float(loss), **values}, n)
             if pair is not None and pair[1] is not None:
@@ -120,9 +154,11 @@ def compact_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client, *,
                        batch_size: int, forward: ForwardFunction | None, as_dict: bool,
-                       threads: int, transform: ArraysTransform | None = None) -> da.Array:
+                       threads: int, transform: ArraysTransform | None = None,
+                       device: str | None = None) -> da.Array:
     """A lazy dask array of the model's outputs, one block per chunk of ``dataset`` (each
-    after ``transform``, where one is given), whose tasks run on ``client``'s cluster."""
+    after ``transform``, where one is given), whose tasks run on ``client``'s cluster, on
+    ``device`` (see :func:`inference_device`)."""
     check_decoded(dataset, "prediction", transform)
     if not as_dict:
         check_pair_batches(dataset)
@@ -139,17 +175,20 @@ def predict_on_cluster(model: torch.nn.Module, dataset: Dataset, client: Client,
     shared = client.scatter(model, hash=False)
     task = dask.delayed(_predict_block, pure=True)
     blocks = [da.from_delayed(task(shared, forward, dataset, a, b, batch_size, as_dict,
-                                   threads, transform), shape=(b - a, *shape), dtype=dtype)
+                                   threads, transform, device),
+                              shape=(b - a, *shape), dtype=dtype)
               for a, b in _ranges(dataset, dataset.chunk_rows)]
     return da.concatenate(blocks) if len(blocks) > 1 else blocks[0]
 
 
 def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: Dataset,
                         client: Client, *, batch_size: int, as_dict: bool, threads: int,
-                        transform: ArraysTransform | None = None) -> dict[str, float]:
+                        transform: ArraysTransform | None = None,
+                        device: str | None = None) -> dict[str, float]:
     """Mean loss and metrics of ``model`` over ``dataset`` (each block after
     ``transform``, where one is given), and accuracy where the targets are class labels,
-    computed by tasks on the cluster's workers.
+    computed by tasks on the cluster's workers, on ``device`` (see
+    :func:`inference_device`).
 
     Raises
     ------
@@ -163,7 +202,8 @@ def evaluate_on_cluster(model: torch.nn.Module, compute: BatchCompute, dataset: 
     check_vocabulary(model, dataset, as_dict, computing(compute), "evaluation")
     shared = dask.delayed(compact_copy(model), pure=False)
     task = dask.delayed(_evaluate_block, pure=True)
-    parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads, transform)
+    parts = [task(shared, compute, dataset, a, b, batch_size, as_dict, threads, transform,
+                  device)
              for a, b in _ranges(dataset, dataset.chunk_rows)]
     try:
         results = client.compute(parts, sync=True)

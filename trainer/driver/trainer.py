@@ -198,7 +198,7 @@ class Trainer:
         seed: int = 0,
         shuffle: bool = True,
         transform: Callable | None = None,
-        prefetch: int = 4,
+        prefetch: int | None = None,
         shuffle_blocks: int = 1,
         block_rows: int | None = None,
         drop_last: bool = False,
@@ -361,7 +361,8 @@ class Trainer:
                                        batch_size=batch_size,
                                        as_dict=self.pipeline_options["as_dict"],
                                        threads=self.torch_threads,
-                                       transform=self._evaluation_transform(transform))
+                                       transform=self._evaluation_transform(transform),
+                                       device=self.device)
 
     def predict(self, data: Dataset | str | os.PathLike, *, batch_size: int = 1024,
                 forward: ForwardFunction | None = None, client: Client | None = None,
@@ -381,7 +382,8 @@ class Trainer:
                                       batch_size=batch_size, forward=forward,
                                       as_dict=self.pipeline_options["as_dict"],
                                       threads=self.torch_threads,
-                                      transform=self._evaluation_transform(transform))
+                                      transform=self._evaluation_transform(transform),
+                                      device=self.device)
 
     def _evaluation_transform(self, given: Callable | None) -> Callable | None:
         return given if given is not None else \
