@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import multiprocessing
 import os
-import random
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -56,7 +54,10 @@ import simplejpeg
 import torch
 import torch.nn.functional as F
 from distributed import Client, LocalCluster
-from PIL import Image
+
+# W6's baseline at this crop: torchvision's ImageFolder and transforms written with Pillow
+# (this script's directory, that of benchmarks/images.py, is on sys.path).
+from images import RATIO, SCALE, ImageFolderDataset
 
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD
@@ -69,7 +70,6 @@ from dasktrain.pipeline.images import (
 )
 
 SIDE, CROP, BATCH, CLASSES, W11_BATCH = 192, 160, 256, 10, 128
-SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 QUICK = {"images": 384, "workers": 2, "device": "cpu", "model": "tiny", "w11_steps": 4,
@@ -206,43 +206,8 @@ def normalised(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- W10: the loaders ------------------------------------------------------------------------
-class ImageFolderDataset(torch.utils.data.Dataset):
-    """torchvision's ImageFolder with RandomResizedCrop, RandomHorizontalFlip and ToTensor,
-    written with Pillow (the same work as ``benchmarks/images.py``'s baseline)."""
-
-    def __init__(self, root: Path) -> None:
-        classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-        self.samples = [(str(f), k) for k, c in enumerate(classes)
-                        for f in sorted((root / c).iterdir())]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    @staticmethod
-    def crop_box(width: int, height: int) -> tuple[int, int, int, int]:
-        area = width * height
-        for _ in range(10):
-            target = area * random.uniform(*SCALE)
-            aspect = math.exp(random.uniform(math.log(RATIO[0]), math.log(RATIO[1])))
-            w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-            if 0 < w <= width and 0 < h <= height:
-                top, left = random.randint(0, height - h), random.randint(0, width - w)
-                return left, top, left + w, top + h
-        return 0, 0, width, height
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[index]
-        with Image.open(path) as image:
-            rgb = image.convert("RGB")
-        out = rgb.resize((CROP, CROP), Image.Resampling.BILINEAR, box=self.crop_box(*rgb.size))
-        if random.random() < 0.5:
-            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        pixels = torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1)
-        return pixels.float().div_(255), label
-
-
 def dataloader(root: Path, workers: int, pin: bool) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(ImageFolderDataset(root), batch_size=BATCH,
+    return torch.utils.data.DataLoader(ImageFolderDataset(root, CROP), batch_size=BATCH,
                                        shuffle=True, num_workers=workers, pin_memory=pin,
                                        persistent_workers=True, drop_last=False)
 

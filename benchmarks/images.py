@@ -96,10 +96,11 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     """torchvision's ImageFolder and its RandomResizedCrop/RandomHorizontalFlip/ToTensor,
     written with Pillow (torchvision's CPU wheels do not install beside this torch)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, crop: int = CROP) -> None:
         classes = sorted(p.name for p in root.iterdir() if p.is_dir())
         self.samples = [(str(f), k) for k, c in enumerate(classes)
                         for f in sorted((root / c).iterdir())]
+        self.crop = crop
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -121,7 +122,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         path, label = self.samples[index]
         with Image.open(path) as image:
             rgb = image.convert("RGB")
-        out = rgb.resize((CROP, CROP), Image.Resampling.BILINEAR, box=self.crop_box(*rgb.size))
+        out = rgb.resize((self.crop, self.crop), Image.Resampling.BILINEAR,
+                         box=self.crop_box(*rgb.size))
         if random.random() < 0.5:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         pixels = torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1)

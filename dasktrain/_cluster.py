@@ -36,6 +36,7 @@ __all__ = [
     "WORKER_MALLOC_ENVIRONMENT",
     "close_embedded",
     "cluster_client",
+    "declares_gpu",
     "default_local_cluster_options",
     "embedded_client",
     "get_client",
@@ -342,6 +343,12 @@ def _with_terminal_signals_blocked(start: Callable[[], LocalCluster]) -> LocalCl
         with contextlib.suppress(Exception):
             started.result(timeout=_START_WAIT).close(timeout=10)
         raise
+
+
+def declares_gpu(info: dict) -> bool:
+    """Whether a worker (its :func:`worker_info` entry) declares a ``GPU`` resource: the
+    workers that run model replicas on a GPU cluster."""
+    return "GPU" in (info.get("resources") or {})
 
 
 def worker_info(client: Client) -> dict[str, dict]:

@@ -6,7 +6,23 @@ import threading
 
 from dasktrain.pipeline.plan import EpochPlan, Unit
 
-__all__ = ["PrefetchBudget", "unit_rows"]
+__all__ = ["DEFAULT_PREFETCH", "PrefetchBudget", "prefetch_rows", "unit_rows"]
+
+DEFAULT_PREFETCH = 4
+"""Groups of blocks in flight at least, where a pipeline's ``prefetch`` is left to its
+default."""
+
+
+def prefetch_rows(prefetch: int | None, group_rows: int, readers: int, world_size: int,
+                  batch_size: int) -> int:
+    """Rows one consumer may hold in flight: ``prefetch`` groups of ``group_rows``; by
+    default (None) the larger of 4 groups and two batches per process reading for this
+    consumer's rank (``readers`` shared by ``world_size`` ranks), as a DataLoader keeps
+    two batches per worker process."""
+    if prefetch is not None:
+        return prefetch * group_rows
+    per_rank = -(-readers // world_size)
+    return max(DEFAULT_PREFETCH * group_rows, 2 * per_rank * batch_size)
 
 
 def unit_rows(plan: EpochPlan, unit: Unit) -> int:

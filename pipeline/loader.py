@@ -28,7 +28,7 @@ from distributed import Client, get_client
 from dasktrain._cluster import embedded_client
 from dasktrain.datasets import Dataset, open_dataset
 from dasktrain.pipeline.ahead import HeadStart, start_now
-from dasktrain.pipeline.budget import PrefetchBudget, unit_rows
+from dasktrain.pipeline.budget import PrefetchBudget, prefetch_rows, unit_rows
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.feeder import Feeder
 from dasktrain.pipeline.fetch import Batch, Delivery, Tensors, unit_where
@@ -36,7 +36,14 @@ from dasktrain.pipeline.finish import split_transform
 from dasktrain.pipeline.named import check_pair_batches
 from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit, check_shares
 from dasktrain.pipeline.stats import PipelineStats
-from dasktrain.pipeline.submit import PLACEMENTS, Submitter, inside_task, placement_kwargs, release
+from dasktrain.pipeline.submit import (
+    CONSUMER_THREADS,
+    PLACEMENTS,
+    Submitter,
+    inside_task,
+    placement_kwargs,
+    release,
+)
 from dasktrain.pipeline.tasks import ArraysRef, Transform
 
 __all__ = ["Pipeline"]
@@ -45,10 +52,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds :meth:`Pipeline.close` waits for each part of its work still running.
 _CLOSE_WAIT = 10.0
-#: Groups of blocks in flight at least, where ``prefetch`` is left to its default.
-DEFAULT_PREFETCH = 4
-#: Threads that read blocks where the consumer reads them itself (placement "consumer").
-CONSUMER_THREADS = 2
 _STATE_KEYS = ("seed", "batch_size", "world_size", "rank", "num_samples", "shuffle",
                "shuffle_blocks", "block_rows", "drop_last", "shares")
 # May differ at an epoch boundary: the next epoch is cut anew.
@@ -358,21 +361,9 @@ class Pipeline:
                          kwargs=placement_kwargs(self.placement, client), local=self._local,
                          finish=self._finish_here)
 
-    @property
-    def _prefetch_rows(self) -> int:
-        groups = (self.prefetch or DEFAULT_PREFETCH) * self.shuffle_blocks * self.block_rows
-        if self.prefetch is not None:
-            return groups
-        per_rank = -(-self._readers() // self.world_size)
-        return max(groups, 2 * per_rank * self.batch_size)
-
-    def _readers(self) -> int:
-        """Processes (threads, where the consumer reads) that read this consumer's blocks."""
-        if self.placement == "consumer":
-            return CONSUMER_THREADS
-        if self.placement == "local":
-            return 1
-        return max(1, len(placement_kwargs(self.placement, self.client).get("workers", ())))
+    def _prefetch_rows(self, submitter: Submitter) -> int:
+        return prefetch_rows(self.prefetch, self.shuffle_blocks * self.block_rows,
+                             submitter.readers, self.world_size, self.batch_size)
 
     def start(self) -> None:
         """Begin reading the current epoch's first batches now, before the iteration asks
@@ -381,8 +372,9 @@ class Pipeline:
         prefetch as an iteration would, and is dropped unused if the iteration is another
         (other shares, a resumed position, another rank or epoch)."""
         if self._ahead is None and self._position == 0:
-            self._ahead = start_now(self.plan, self._epoch, self._submitter(),
-                                    self._prefetch_rows, self.stats)
+            submitter = self._submitter()
+            self._ahead = start_now(self.plan, self._epoch, submitter,
+                                    self._prefetch_rows(submitter), self.stats)
 
     def _drop_ahead(self, drain: float = 0.0) -> None:
         """Forget work submitted for an epoch that will not come next (letting it finish
@@ -419,11 +411,11 @@ class Pipeline:
             units.pop(0)
         ahead = self._take_ahead(epoch, units)
         carried = ahead.rows if ahead is not None else 0
-        budget = PrefetchBudget(
-            max(self._prefetch_rows - carried, 0))
+        submitter = self._submitter()
+        budget = PrefetchBudget(max(self._prefetch_rows(submitter) - carried, 0))
         # The head start, if any, is the feeder's from here on.
         for _, batch in self._run(plan, budget, lambda unit: unit_rows(plan, unit), skip,
-                                  units=units, ahead=ahead):
+                                  units=units, ahead=ahead, submitter=submitter):
             yield batch
 
     def claiming(self, claim: Callable[[threading.Event], range | None], *,
@@ -452,14 +444,14 @@ class Pipeline:
 
     def _run(self, plan: EpochPlan, budget: PrefetchBudget, cost: Callable[[Unit], int],
              skip: int, *, units: list[Unit] | None = None, ahead: HeadStart | None = None,
-             claim: Callable[[threading.Event], Unit | None] | None = None
-             ) -> Iterator[tuple[int, Batch]]:
+             claim: Callable[[threading.Event], Unit | None] | None = None,
+             submitter: Submitter | None = None) -> Iterator[tuple[int, Batch]]:
         """The consumer's side of one epoch: ``(global batch, batch)`` of the units the
         feeder queues (``units``, or those it claims), from batch ``skip`` of the first."""
         epoch = plan.epoch
         stats = self.stats
         stats.start_epoch()
-        feeder = Feeder(plan, units or [], ahead, self._submitter(), budget, stats,
+        feeder = Feeder(plan, units or [], ahead, submitter or self._submitter(), budget, stats,
                         plan_for=self.plan if self.prefetch_next_epoch and claim is None
                         else None, claim=claim)
         feeder.start()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from distributed import Client, Future, get_worker
 
+from dasktrain._cluster import declares_gpu
 from dasktrain.pipeline.errors import PipelineError
 from dasktrain.pipeline.fetch import Tensors, compute_here, fetch_unit
 from dasktrain.pipeline.finish import Finish
@@ -24,10 +25,12 @@ from dasktrain.pipeline.tasks import (
     load_window,
 )
 
-__all__ = ["PLACEMENTS", "Submitted", "Submitter", "forget_windows", "inside_task",
-           "placement_kwargs", "release"]
+__all__ = ["CONSUMER_THREADS", "PLACEMENTS", "Submitted", "Submitter", "forget_windows",
+           "inside_task", "placement_kwargs", "release"]
 
 PLACEMENTS = ("auto", "anywhere", "local", "consumer")
+#: Threads that read blocks where the consumer reads them itself (placement "consumer").
+CONSUMER_THREADS = 2
 #: A unit's work: a Dask future on the cluster, a thread's future in this process.
 Submitted = Future | concurrent.futures.Future
 
@@ -71,7 +74,7 @@ def placement_kwargs(placement: str, client: Client | None) -> dict[str, Any]:
     # Workers that declare a GPU run the model replicas: a block task there would share the
     # replica's process, and so its interpreter lock, with the loop that feeds the GPU.
     # Blocks go to the CPU-only workers where there are any.
-    cpu_only = [a for a, w in workers.items() if "GPU" not in (w.get("resources") or {})]
+    cpu_only = [a for a, w in workers.items() if not declares_gpu(w)]
     named = sorted(cpu_only or workers)
     return {"workers": named, "allow_other_workers": True} if named else {}
 
@@ -101,6 +104,13 @@ class Submitter:
     finish: Finish | None = None
     """The transform's part left to this process, run where the batches arrive (on the CPU;
     :class:`~dasktrain.pipeline.fetch.Delivery` runs it after the copy to an accelerator)."""
+
+    @property
+    def readers(self) -> int:
+        """Processes that read the units (the read threads, where the consumer reads)."""
+        if self.placement == "consumer":
+            return CONSUMER_THREADS
+        return max(1, len(self.kwargs.get("workers", ())))
 
     def context(self, plan: EpochPlan) -> EpochContext:
         if self.placement == "consumer":

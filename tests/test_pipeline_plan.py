@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from dasktrain.pipeline.budget import prefetch_rows
 from dasktrain.pipeline.plan import EpochPlan, Window
 
 
@@ -174,3 +175,14 @@ def test_ramp_grows_by_doubling_to_the_task_size():
     sizes = [s.stop - s.start for s in plan.window_spans]
     # The first group: one piece, doubling to 2,048 rows, and what is left; then 2,048s.
     assert sizes == [256, 512, 1024, 2048, 2048, 2048, 256] + [2048] * 8
+
+
+def test_the_default_prefetch_keeps_two_batches_per_reader_in_flight():
+    # Images: 38 rows a 4 MiB block; 14 readers for one consumer: 2 x 14 batches of 256.
+    assert prefetch_rows(None, 38, readers=14, world_size=1, batch_size=256) == 7168
+    # Shared by 4 ranks: ceil(14 / 4) = 4 readers each.
+    assert prefetch_rows(None, 38, readers=14, world_size=4, batch_size=256) == 2048
+    # Small rows (a table): four blocks already hold more than two batches per reader.
+    assert prefetch_rows(None, 32768, readers=2, world_size=1, batch_size=256) == 4 * 32768
+    # Given, prefetch counts groups, whatever the readers.
+    assert prefetch_rows(2, 38, readers=14, world_size=1, batch_size=256) == 76

@@ -14,7 +14,7 @@ from typing import Any
 
 from distributed import Client
 
-from dasktrain._cluster import worker_info
+from dasktrain._cluster import declares_gpu, worker_info
 from dasktrain._deadline import wait_until
 from dasktrain.trainer.errors import TrainerError
 
@@ -30,7 +30,7 @@ def replica_hosts(workers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any
     """The workers a model replica may run on: those that declare a ``GPU`` resource where
     any does (each replica's task then asks for ``GPU=1``; pinned to a worker without one,
     the scheduler fails the task), else all of them."""
-    gpus = {a: w for a, w in workers.items() if "GPU" in (w.get("resources") or {})}
+    gpus = {a: w for a, w in workers.items() if declares_gpu(w)}
     return gpus or workers
 
 

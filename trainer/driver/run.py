@@ -40,7 +40,7 @@ import torch
 from distributed import Client, Future, wait
 from distributed.client import FutureCancelledError
 
-from dasktrain._cluster import worker_info
+from dasktrain._cluster import declares_gpu, worker_info
 from dasktrain._deadline import wait_until
 from dasktrain._durable import StorageOptions
 from dasktrain.pipeline import Pipeline
@@ -127,7 +127,7 @@ class FitRun:
             client.register_plugin(RetireWatch())
         else:  # an elastic run has one trainer worker per Dask worker
             _warn_if_oversubscribed(worker_config, replica_hosts(workers))
-        self._gpu = any("GPU" in (w.get("resources") or {}) for w in workers.values())
+        self._gpu = any(map(declares_gpu, workers.values()))
         if holder_worker is not None and holder_worker not in workers:
             raise ValueError(f"holder_worker {holder_worker!r} is not a worker of this "
                              f"cluster; workers: {self.addresses}")
