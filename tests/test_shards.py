@@ -179,3 +179,24 @@ def test_a_dead_shard_ends_the_wait_on_another_shards_answer():
         with pytest.raises(dt.HolderLost, match=r"shard 1"):
             waiting.result()
         assert time.monotonic() - started < timeout / 3
+
+
+def test_shards_answering_at_different_updates_say_so(client):
+    """A shard asked for a version it has passed answers with its state now; shards a step
+    apart then answer with two versions, which the merge names (the driver writes no
+    checkpoint of them) instead of passing them off as one model's state."""
+    addresses = sorted(worker_info(client))
+    actors = [client.submit(ParameterHolder,
+                            HolderConfig(model=mlp, optimizer=dt.optim.sgd(0.1), workers=1,
+                                         shard=(k, 2)),
+                            actor=True, workers=[address], pure=False).result(timeout=60)
+              for k, address in enumerate(addresses)]
+    shards = HolderShards(actors, 30.0, client)
+    together = shards.call("state_at", 0).result()
+    assert together["version"] == 0 and "mixed_versions" not in together
+    # Shard 0 one update ahead of shard 1, as while a step finishes shard by shard.
+    ahead = {**together["shards"][0], "version": 1}
+    actors[0].load_state_dict(ahead).result()
+    apart = shards.call("state_at", 0).result()
+    assert apart["mixed_versions"] == [0, 1]
+    assert [int(r["version"]) for r in apart["shards"]] == [1, 0]

@@ -510,7 +510,9 @@ class FitRun:
         reaches this process at once: a holder that dies between two polls has still
         handed it over. A state of an epoch after the one whose boundary the driver has
         yet to save waits for that save (``ask_next=False``: the holder is lost, and it is
-        written now)."""
+        written now). Holder shards asked for a mark one of them has passed answer at
+        different updates: that answer is no state to resume from and is not written; the
+        next mark is asked for instead."""
         if not (self.checkpoint and self.checkpoint_every):
             return
         pending = self._pending_state
@@ -526,7 +528,10 @@ class FitRun:
                     self._holder_lost()
                 raise TrainerError(f"the parameter holder could not hand over its state: "
                                    f"{type(exc).__name__}: {exc}") from exc
-            self._deferred = state
+            if "mixed_versions" in state:  # shards caught at different updates: the next mark
+                start = max(state["mixed_versions"])
+            else:
+                self._deferred = state
         if self._deferred is not None:
             state = self._deferred
             if int(state["epoch"]) > self.epoch and ask_next:

@@ -353,7 +353,12 @@ def _state(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One holder's state for the driver (version, epoch, the whole parameters and buffers
     to load a model from), with every shard's own under ``"shards"`` to resume from."""
     merged = {k: v for k, v in results[0].items() if k not in ("optimizer", "params")}
-    merged["version"] = min(int(r["version"]) for r in results)
+    versions = sorted({int(r["version"]) for r in results})
+    merged["version"] = versions[0]
+    if len(versions) > 1:
+        # A shard asked for a version it has passed answers with its state now, and the
+        # shards of a step finish it one after the other: these are not one model's state.
+        merged["mixed_versions"] = versions
     merged["params"] = torch.cat([r["params"] for r in results])
     merged["buffers"] = results[-1]["buffers"]
     merged["shards"] = results
