@@ -18,6 +18,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dasktrain-installed
 DEMO_DIR ?= data
 RUNS_DIR ?= runs
+# The suite runs in this many pytest processes, each test file whole in one of them (a
+# module's fixtures, such as its cluster or its hosts, are made once). 0: this process alone.
+TEST_PROCESSES ?= 2
 
 .PHONY: setup demo test lint docs bench clean
 
@@ -45,7 +48,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_PROCESSES) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .
