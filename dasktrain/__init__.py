@@ -6,6 +6,7 @@ from typing import Any
 
 from dasktrain._cluster import get_client
 from dasktrain.datasets import (
+    ArrayDataset,
     Dataset,
     DatasetError,
     OutputExistsError,
@@ -13,6 +14,7 @@ from dasktrain.datasets import (
     SourceError,
     VerifyReport,
     describe,
+    open_arrays,
     open_dataset,
     prepare,
     verify,
@@ -77,6 +79,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ArrayDataset",
     "Callback",
     "DasktrainError",
     "Dataset",
@@ -118,6 +121,7 @@ __all__ = [
     "get_client",
     "images",
     "load_tokenizer",
+    "open_arrays",
     "open_dataset",
     "optim",
     "prepare",

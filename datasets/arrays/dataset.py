@@ -1,0 +1,394 @@
+"""Arrays read in place: :func:`open_arrays` and the :class:`ArrayDataset` it gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+
+from dasktrain.datasets.arrays.reader import Part, WindowArray
+from dasktrain.datasets.arrays.source import Source, open_source
+from dasktrain.datasets.arrays.statistics import (
+    Statistics,
+    as_dask,
+    compute_statistics,
+    given,
+    load_or_compute,
+)
+from dasktrain.datasets.arrays.windows import Geometry
+from dasktrain.datasets.dataset import Dataset
+from dasktrain.datasets.errors import DatasetError
+
+__all__ = ["ArrayDataset", "open_arrays"]
+
+#: Bytes of samples a block aims at where the store gives no chunking along time.
+BLOCK_BYTES = 4 << 20
+
+
+class ArrayDataset(Dataset):
+    """Samples cut as windows out of arrays where they are (a Zarr store, an
+    ``xarray.Dataset``, dask arrays): nothing is copied. The :class:`~dasktrain.Pipeline`,
+    :meth:`Trainer.fit <dasktrain.Trainer.fit>`, ``evaluate`` and ``predict`` take it as
+    they take a prepared dataset, with the same guarantees (every sample once per epoch,
+    any world size, mid-epoch resume). Obtain one with :func:`open_arrays`."""
+
+    def __init__(self, source: Source, arrays: dict[str, WindowArray],
+                 attrs: Mapping[str, Any], start: int = 0, stop: int | None = None,
+                 split_name: str | None = None, identity: str | None = None) -> None:
+        super().__init__(source.label, None, attrs, start, stop, split_name=split_name,
+                         identity=identity or tokenize(source.token, attrs))
+        self.source = source
+        self._arrays = arrays
+
+    def zarr_array(self, name: str, *, checksums: bool = True) -> WindowArray:
+        """The samples of ``name`` (all of them, not only this view's range), read by
+        ranges: ``array[a:b]`` is samples ``a`` to ``b`` as a numpy array."""
+        del checksums  # the store's own chunks, as the store has them
+        if name not in self._arrays:
+            raise KeyError(f"no array {name!r} in {self.url}; arrays: {self.array_names}")
+        return self._arrays[name]
+
+    def __getitem__(self, name: str) -> da.Array:
+        array = self.zarr_array(name)
+        chunks = (self.chunk_rows, *array.shape[1:])
+        dask_name = f"in-place-{tokenize(self.identity, name, chunks)}"
+        return da.from_array(array, chunks=chunks, name=dask_name, asarray=True,
+                             fancy=False)[self.start:self.stop]
+
+    @property
+    def geometry(self) -> Geometry:
+        """Where each sample lies in the store."""
+        return next(iter(self._arrays.values())).geometry
+
+    def count_nan(self) -> dict[str, int]:
+        """NaN values per variable in the steps this dataset's samples read (a split's
+        own), counted with Dask on the client's cluster (the default scheduler)."""
+        import dask
+
+        geometry = self.geometry
+        steps = geometry.time_span(self.start, self.stop)
+        data = self.source.data
+        counts = {}
+        for name in sorted({p.variable for a in self._arrays.values() for p in a.parts}):
+            variable = data[name]
+            if geometry.sample_dim in variable.dims:
+                variable = variable.isel({geometry.sample_dim: slice(*steps)})
+            counts[name] = as_dask(variable).isnull().sum()
+        (done,) = dask.compute(counts)
+        return {n: int(v.values) for n, v in done.items()}
+
+    def split(self, name: str) -> ArrayDataset:
+        """The named split: the samples whose every time step (inputs and targets) lies in
+        the split's range of the sample dimension."""
+        splits = self.splits
+        if name not in splits:
+            known = ", ".join(splits) or "none (give open_arrays splits={...})"
+            raise KeyError(f"{self.url} has no split {name!r}; splits: {known}")
+        if self.split_name is not None:
+            raise ValueError(f"{self!r} is already the split {self.split_name!r}")
+        start, stop = splits[name]
+        return ArrayDataset(self.source, self._arrays, self.attrs, start, stop,
+                            split_name=name, identity=self.identity)
+
+    def __repr__(self) -> str:
+        what = f" split={self.split_name!r}" if self.split_name else ""
+        shapes = ", ".join(f"{n}: {a.dtype}{a.shape[1:]}" for n, a in self._arrays.items())
+        return f"<dasktrain.ArrayDataset {self.url}{what} samples={len(self)} [{shapes}]>"
+
+
+def open_arrays(
+    source: Any,
+    *,
+    window: Mapping[str, int],
+    inputs: Sequence[str],
+    targets: Sequence[str] = (),
+    static: Sequence[str] = (),
+    sample_dim: str = "time",
+    stride: Mapping[str, int] | None = None,
+    input_steps: int = 1,
+    lead: int = 0,
+    stack: bool = False,
+    splits: Mapping[str, Any] | None = None,
+    normalize: str | Mapping[str, Any] | None = None,
+    normalize_per: Sequence[str] = (),
+    statistics_path: str | os.PathLike | None = None,
+    nan: str = "raise",
+    fill_value: float = 0.0,
+    dims: Mapping[str, Sequence[str]] | None = None,
+    storage_options: dict | None = None,
+) -> ArrayDataset:
+    """Train on arrays where they are: samples are windows over named dimensions.
+
+    Parameters
+    ----------
+    source
+        An ``xarray.Dataset``; the path or URL of a Zarr store (``s3://...`` with
+        ``storage_options``), opened read-only and read in place; or a dict of numpy or dask
+        arrays, with their dimension names in ``dims``.
+    window
+        The window's size along each window dimension, e.g. ``{"lat": 64, "lon": 64}``.
+        Dimensions of a variable that are neither the sample dimension nor in ``window``
+        (a ``level``) are taken whole.
+    inputs, targets, static
+        Variables: inputs (``input_steps`` steps ending at the sample's time), targets
+        (at the sample's time plus ``lead``), and static fields without the sample dimension
+        (a land mask), cut to the same window and given to every sample as inputs.
+    sample_dim
+        The dimension samples are taken along.
+    stride
+        Steps between windows along each window dimension (default: the window's size, no
+        overlap; smaller overlaps).
+    input_steps, lead
+        Input steps per sample, and how many steps after the last of them the targets lie
+        (``lead=1``: forecast the next step).
+    stack
+        Stack the inputs and static fields into one array ``x`` and the targets into ``y``
+        (channels first: each variable's steps and other dimensions flattened into
+        channels); otherwise one array per variable (a target that is also an input is
+        named ``{name}_target``), read as dict batches (``as_dict=True``).
+    splits
+        Named ranges of the sample dimension's coordinate, e.g. ``{"train": slice(None,
+        "2017-12-31"), "val": ("2018-01-01", "2019-12-31")}`` (inclusive, as
+        ``xarray.Dataset.sel``): a split holds the samples whose every step, inputs and
+        targets, lies in its range.
+    normalize
+        The name of the split whose steps give each variable's mean and standard
+        deviation (``"train"``), computed once with Dask on the client's cluster; or the
+        statistics themselves, ``{variable: (mean, std)}``. Every input, target and static
+        field is then read as ``(value - mean) / std`` in float32. None: as stored.
+    normalize_per
+        Dimensions along which the statistics are kept apart (``("level",)``: one mean
+        and std per level); every other dimension is reduced.
+    statistics_path
+        A JSON file for the computed statistics: read back when it holds those of the same
+        source, split, variables and ``normalize_per`` (a file for other data is an
+        error, never replaced), else computed and written there.
+    nan, fill_value
+        A NaN in a sample read: ``"raise"`` (a :class:`DatasetError` naming the variable,
+        step and window) or ``"fill"`` (replaced by ``fill_value``, after normalization:
+        0 is then the mean). :meth:`ArrayDataset.count_nan` counts them beforehand.
+    dims
+        For a dict of arrays: each array's dimension names.
+    storage_options
+        Passed to fsspec for a store's URL.
+
+    Raises
+    ------
+    DatasetError
+        A window larger than its dimension, a missing variable or dimension, a coordinate
+        that is not monotonic, a split that selects no sample: each named.
+    """
+    opened = open_source(source, dims=dims, storage_options=storage_options)
+    data = opened.data
+    stride = dict(window if stride is None else stride)
+    for name in (*inputs, *targets, *static):
+        if name not in data.data_vars:
+            raise DatasetError(f"no variable {name!r} in {opened.label}; variables: "
+                               f"{sorted(map(str, data.data_vars))}")
+    if not inputs:
+        raise DatasetError("inputs names no variable: a sample needs at least one input")
+    for dim in (sample_dim, *window):
+        if dim not in data.dims:
+            raise DatasetError(f"no dimension {dim!r} in {opened.label}; dimensions: "
+                               f"{sorted(map(str, data.dims))}")
+    unknown = sorted(set(stride) - set(window))
+    if unknown:
+        raise DatasetError(f"stride names dimension(s) {unknown} that window does not")
+    _check_coordinates(data, opened.label, sample_dim, list(window))
+    geometry = Geometry.of(sample_dim, data.sizes[sample_dim], window, stride,
+                           {d: data.sizes[d] for d in window}, input_steps, lead)
+    if len(geometry) == 0:
+        raise DatasetError(f"no window fits: {opened.label} gives no sample")
+    if nan not in ("raise", "fill"):
+        raise DatasetError(f"nan must be 'raise' or 'fill', got {nan!r}")
+    parts = _parts(data, opened.label, geometry, inputs, targets, static)
+    ranges = _splits(data, opened.label, geometry, splits or {})
+    variables = sorted({p.variable for p in parts})
+    stats = _statistics(data, opened, geometry, variables, ranges, normalize,
+                        tuple(normalize_per), statistics_path, storage_options)
+    if stats is not None:
+        parts = [_normalized(p, data[p.variable].dims, geometry, stats[p.variable],
+                             normalize_per) for p in parts]
+    token = tokenize(opened.token, geometry, parts, nan, fill_value,
+                     None if stats is None else {n: (m.tolist(), s.tolist())
+                                                 for n, (m, s) in stats.items()})
+    arrays = _arrays(data[variables], token, geometry, parts, stack,
+                     {"nan": nan, "fill": float(fill_value)})
+    attrs = {
+        "num_samples": len(geometry),
+        "chunk_rows": _time_chunk(data, inputs[0], sample_dim, geometry, arrays) *
+        geometry.per_step,
+        "arrays": {n: {"role": role, "dtype": a.dtype.str, "shape": list(a.shape)}
+                   for n, (a, role) in arrays.items()},
+        "splits": ranges,
+        "in_place": {"sample_dim": sample_dim, "window": dict(window), "stride": stride,
+                     "input_steps": input_steps, "lead": lead},
+    }
+    return ArrayDataset(opened, {n: a for n, (a, _) in arrays.items()}, attrs)
+
+
+def _check_coordinates(data: Any, label: str, sample_dim: str, window: list[str]) -> None:
+    """The sample dimension's coordinate must increase (windows and splits follow its
+    order); a window dimension's must be monotonic, one way or the other."""
+    for dim in (sample_dim, *window):
+        if dim not in data.indexes:
+            continue  # no coordinate: positions are the coordinate
+        index = data.indexes[dim]
+        increasing = index.is_monotonic_increasing and index.is_unique
+        if increasing or (dim != sample_dim and index.is_monotonic_decreasing
+                          and index.is_unique):
+            continue
+        values = np.asarray(index)
+        steps = np.diff(values) if len(values) > 1 else values[:0]
+        bad = int(np.argmax(steps <= np.zeros_like(steps))) if len(steps) else 0
+        order = "increasing" if dim == sample_dim else "monotonic"
+        raise DatasetError(
+            f"coordinate {dim!r} of {label} is not {order}: "
+            f"{values[bad]!r} at index {bad} is followed by {values[bad + 1]!r}; sort it "
+            f"first (e.g. data.sortby({dim!r}))")
+
+
+def _parts(data: Any, label: str, geometry: Geometry, inputs: Sequence[str],
+           targets: Sequence[str], static: Sequence[str]) -> list[Part]:
+    window = [d for d, _ in geometry.window]
+    sizes = tuple(size for _, size in geometry.window)
+    parts = []
+    for kind, names in (("input", inputs), ("static", static), ("target", targets)):
+        for name in names:
+            dims = data[name].dims
+            missing = [d for d in window if d not in dims]
+            if missing:
+                raise DatasetError(f"variable {name!r} of {label} has no dimension(s) "
+                                   f"{missing} to take windows along; its dimensions: {dims}")
+            timed = geometry.sample_dim in dims
+            if timed == (kind == "static"):
+                raise DatasetError(
+                    f"variable {name!r} of {label} is given as {kind} but "
+                    f"{'has' if timed else 'has no'} dimension {geometry.sample_dim!r}"
+                    + ("; static fields are the same at every step" if timed else ""))
+            others = tuple(data.sizes[d] for d in dims
+                           if d != geometry.sample_dim and d not in window)
+            steps = (geometry.steps,) if kind == "input" and geometry.steps > 1 else ()
+            parts.append(Part(name, kind, (*steps, *others, *sizes)))
+    return parts
+
+
+def _statistics(data: Any, opened: Source, geometry: Geometry, variables: list[str],
+                ranges: dict[str, list[int]], normalize: Any, per: tuple[str, ...],
+                path: Any, storage_options: dict | None) -> Statistics | None:
+    if normalize is None:
+        return None
+    window = {d for d, _ in geometry.window}
+    wrong = [d for d in per if d in window or d == geometry.sample_dim or d not in data.dims]
+    if wrong:
+        raise DatasetError(f"normalize_per may name only dimensions taken whole (such as a "
+                           f"level), not {wrong}")
+    if isinstance(normalize, Mapping):
+        return given(normalize, variables)
+    if not isinstance(normalize, str) or normalize not in ranges:
+        known = ", ".join(ranges) or "none: give splits={...}"
+        raise DatasetError(f"normalize={normalize!r} names no split; splits: {known}")
+    steps = geometry.time_span(*ranges[normalize])
+    key = {"source": opened.token, "split": normalize, "steps": [int(v) for v in steps],
+           "variables": variables, "per": list(per)}
+    return load_or_compute(
+        path, key, lambda: compute_statistics(data, variables, geometry.sample_dim, steps,
+                                              per), storage_options)
+
+
+def _normalized(part: Part, dims: tuple, geometry: Geometry,
+                stats: tuple[np.ndarray, np.ndarray], per: Sequence[str]) -> Part:
+    """``part`` with its statistics shaped to broadcast against one sample: the kept
+    dimensions' sizes where they stand among the part's axes, 1 elsewhere."""
+    window = [d for d, _ in geometry.window]
+    others = [d for d in dims if d != geometry.sample_dim and d not in window]
+    leading = len(part.shape) - len(others) - len(window)  # the steps axis, if any
+    shape = [1] * leading + [-1 if d in per else 1 for d in others] + [1] * len(window)
+    mean, std = (np.asarray(v, dtype=np.float32) for v in stats)
+    if mean.ndim:
+        mean, std = mean.reshape(shape), std.reshape(shape)
+    return dataclasses.replace(part, mean=mean, std=std)
+
+
+def _arrays(data: Any, token: str, geometry: Geometry, parts: list[Part], stack: bool,
+            missing: dict[str, Any]) -> dict[str, tuple[WindowArray, str]]:
+    def make(chosen: list[Part], stacked: bool) -> WindowArray:
+        dtype = np.result_type(*(data[p.variable].dtype for p in chosen))
+        if any(p.mean is not None for p in chosen):
+            dtype = np.result_type(dtype, np.float32)
+        return WindowArray(data, token, geometry, tuple(chosen), stacked, dtype, **missing)
+
+    features = [p for p in parts if p.kind != "target"]
+    targets = [p for p in parts if p.kind == "target"]
+    if stack:
+        arrays = {"x": (make(features, True), "features")}
+        if targets:
+            arrays["y"] = (make(targets, True), "targets")
+        return arrays
+    arrays = {p.variable: (make([p], False), "features") for p in features}
+    for p in targets:
+        name = f"{p.variable}_target" if p.variable in arrays else p.variable
+        if name in arrays:
+            raise DatasetError(f"a target would be named {name!r}, which an input has: "
+                               "rename one, or stack=True")
+        arrays[name] = (make([p], False), "targets")
+    return arrays
+
+
+def _time_chunk(data: Any, name: str, sample_dim: str, geometry: Geometry,
+                arrays: dict[str, tuple[WindowArray, str]]) -> int:
+    """Sample times per block: the store's chunk along the sample dimension, or where it
+    has none (numpy in memory) as many as make about :data:`BLOCK_BYTES` of samples."""
+    variable = data[name]
+    axis = variable.dims.index(sample_dim)
+    if variable.chunks:
+        return max(1, int(variable.chunks[axis][0]))
+    chunks = variable.encoding.get("chunks") or variable.encoding.get("preferred_chunks")
+    if isinstance(chunks, dict):
+        chunks = chunks.get(sample_dim)
+        if chunks:
+            return max(1, int(chunks))
+    elif chunks:
+        return max(1, int(chunks[axis]))
+    sample_bytes = sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a, _ in arrays.values())
+    return max(1, min(geometry.times, BLOCK_BYTES // max(1, sample_bytes * geometry.per_step)))
+
+
+def _splits(data: Any, label: str, geometry: Geometry, splits: Mapping[str, Any]
+            ) -> dict[str, list[int]]:
+    out = {}
+    dim = geometry.sample_dim
+    for name, where in splits.items():
+        if isinstance(where, tuple) and len(where) == 2:
+            where = slice(*where)
+        if not isinstance(where, slice) or where.step is not None:
+            raise DatasetError(f"split {name!r} must be a slice or a (start, stop) pair of "
+                               f"{dim!r} coordinates, got {where!r}")
+        if dim in data.indexes:
+            try:
+                positions = data.indexes[dim].slice_indexer(where.start, where.stop)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DatasetError(f"split {name!r}: cannot select {where.start!r} to "
+                                   f"{where.stop!r} along {dim!r}: {exc}") from exc
+            first, stop = positions.start or 0, positions.stop
+        else:
+            first = 0 if where.start is None else int(where.start)
+            stop = geometry.length if where.stop is None else int(where.stop) + 1
+        stop = geometry.length if stop is None else min(stop, geometry.length)
+        # Every step of a sample in the range: its first input at >= first, its target
+        # (steps - 1 + lead later) before stop.
+        a, b = geometry.rows_of_times(first + geometry.steps - 1,
+                                      stop - geometry.lead)
+        if b <= a:
+            raise DatasetError(
+                f"split {name!r} ({where.start!r} to {where.stop!r} along {dim!r}) selects "
+                f"no sample of {label}: it spans {max(0, stop - first)} step(s), and a "
+                f"sample needs {geometry.steps + geometry.lead}")
+        out[name] = [a, b]
+    return out
