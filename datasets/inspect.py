@@ -14,6 +14,8 @@ from distributed import Client
 from dasktrain._cluster import cluster_client
 from dasktrain._durable import StorageOptions, is_url, storage_errors, url_filesystem
 from dasktrain._progress import gather_with_progress
+from dasktrain.datasets.arrays.dataset import ArrayDataset
+from dasktrain.datasets.arrays.missing import missing_chunks
 from dasktrain.datasets.chunks import ChunkError
 from dasktrain.datasets.cleaning import cleaning_summary, constant_summary
 from dasktrain.datasets.dataset import Dataset, array_path, open_dataset
@@ -275,6 +277,22 @@ def _run_verify(client: Client, ds: Dataset, progress: bool) -> VerifyReport:
     return VerifyReport(ds.url, len(tasks), problems, notes)
 
 
+def _verify_in_place(ds: ArrayDataset, storage_options: StorageOptions | None
+                     ) -> VerifyReport:
+    """An in-place dataset's store, listed: every chunk of the variables its samples read
+    that is not there (Zarr would read it as the fill value)."""
+    variables = sorted({p.variable for n in ds.array_names for p in ds.zarr_array(n).parts})
+    if not ds.source.is_store:
+        return VerifyReport(ds.url, 0, [], [f"{ds.url} is not a Zarr store dasktrain opened: "
+                                            "no chunks to look for"])
+    looked, missing = missing_chunks(ds.url, variables, ds.geometry.sample_dim,
+                                     storage_options or ds.source.storage_options)
+    return VerifyReport(ds.url, 0, missing,
+                        [f"{looked} chunk(s) of {', '.join(variables)} looked for, not read: "
+                         "the store's own chunks are not recorded as a prepared dataset's "
+                         "are"])
+
+
 def verify(path: str | Dataset, *, client: Client | None = None, scheduler: str | None = None,
            progress: bool = True, storage_options: StorageOptions | None = None
            ) -> VerifyReport:
@@ -282,10 +300,16 @@ def verify(path: str | Dataset, *, client: Client | None = None, scheduler: str 
     and each chunk's stored size and CRC-32C against those the dataset recorded (a missing or
     altered chunk is reported by array, chunk index and rows).
 
+    An in-place dataset (:func:`~dasktrain.open_arrays` of a Zarr store) is listed
+    instead: each chunk of its variables missing from the store is a problem, named with
+    its steps (Zarr would read it as the fill value).
+
     Reading happens in Dask tasks, one per chunk, on the given cluster or a LocalCluster.
     Returns a :class:`VerifyReport`; it raises only when the path is not a dataset at all.
     ``storage_options`` go to fsspec when ``path`` is a URL (and travel with the tasks).
     """
+    if isinstance(path, ArrayDataset):
+        return _verify_in_place(path, storage_options)
     ds = path if isinstance(path, Dataset) else open_dataset(path,
                                                              storage_options=storage_options)
     if ds.split_name is not None:

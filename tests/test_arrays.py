@@ -5,6 +5,7 @@ on a real cluster."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import dask.array as da
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 import xarray as xr
 
 import dasktrain as dt
+from tests.common.object_storage import s3_server  # noqa: F401  (the s3 fixture)
 from tests.common.training import mse
 
 T, LEVELS, LAT, LON = 40, 2, 12, 20
@@ -83,7 +85,9 @@ def _ids(pipe: dt.Pipeline) -> list[np.ndarray]:
 def test_every_sample_is_the_window_the_docs_describe(store, stride):
     ds = _stacked(store, stride=stride)
     want_x, want_y = _windows_by_hand(_field(), steps=2, lead=1, stride=stride)
-    assert len(ds) == len(want_x) and ds.chunk_rows == 7 * ds.geometry.per_step
+    assert len(ds) == len(want_x)
+    # Blocks of two chunks of 7 steps: a sample also reads the step after its own.
+    assert ds.chunk_rows == 14 * ds.geometry.per_step
     np.testing.assert_array_equal(ds.zarr_array("x")[0:len(ds)], want_x)
     np.testing.assert_array_equal(ds.zarr_array("y")[0:len(ds)], want_y)
     # Any range reads the same samples as the whole, across chunk boundaries.
@@ -309,3 +313,36 @@ def test_nan_is_named_where_it_is_filled_when_asked_and_counted(client, tmp_path
                             nan="fill", fill_value=-9.0)
     x = filled.zarr_array("x")[10 * per_step:11 * per_step]
     assert np.count_nonzero(x == -9.0) == 1 and np.isfinite(x).all()
+
+
+# -- object storage ------------------------------------------------------------------------
+def test_a_store_on_s3_is_read_in_place_by_the_workers(client, s3, store):
+    """The workers reach the bucket only through the storage options that travel with the
+    tasks (they were started before the server)."""
+    url = s3.url("field.zarr")
+    data = _field()
+    data.to_zarr(url, mode="w", consolidated=False, storage_options=s3.options,
+                 encoding={name: {"chunks": (7, *data[name].shape[1:])}
+                           for name in ("t", "u", "cell")})
+    remote = _stacked(url, storage_options=s3.options,
+                      splits={"train": (None, "2017-12-31")}, normalize="train")
+    local = _stacked(store, splits={"train": (None, "2017-12-31")}, normalize="train")
+    common = {"batch_size": 16, "seed": 4, "client": client}
+    for (xa, ya), (xb, yb) in zip(dt.Pipeline(remote.split("train"), **common),
+                                  dt.Pipeline(local.split("train"), **common), strict=True):
+        np.testing.assert_array_equal(xa.numpy(), xb.numpy())
+        np.testing.assert_array_equal(ya.numpy(), yb.numpy())
+
+
+def test_verify_lists_the_chunks_missing_from_the_store(store, tmp_path):
+    """Zarr reads a missing chunk as the fill value; verify names it instead."""
+    copy = tmp_path / "holed.zarr"
+    shutil.copytree(store, copy)
+    (copy / "u" / "c" / "2" / "0" / "0").unlink()  # u's steps 14:21
+    report = dt.verify(_stacked(str(copy)), progress=False)
+    assert not report.ok
+    assert report.problems == ["variable 'u' chunk (2, 0, 0) (time 14:21) is missing from "
+                               "the store: Zarr reads it as the fill value np.float32(nan)"]
+    assert dt.verify(_stacked(store), progress=False).ok
+    in_memory = dt.verify(_stacked(_field()), progress=False)
+    assert in_memory.ok and "no chunks to look for" in in_memory.notes[0]

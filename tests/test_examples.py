@@ -134,3 +134,16 @@ def test_evolve_example_runs_both_tasks_and_draws_their_fitness(client, tmp_path
     assert any(line.startswith("digits: validation accuracy") for line in lines), out
     for name in ("cartpole.png", "digits.png"):
         assert (tmp_path / "runs" / name).stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_forecast_example_trains_from_the_store_in_place_and_beats_persistence(tmp_path):
+    out = _run_example("forecast.py", "--steps", "600", "--lat", "40", "--lon", "64",
+                       "--epochs", "2", "--no-progress", "--out", str(tmp_path / "fc"),
+                       cwd=tmp_path).stdout
+    assert out.startswith("generated "), out
+    line = next(line for line in out.splitlines() if line.startswith("validation mse:"))
+    model = float(line.split("model ")[1].split(",")[0])
+    persistence = float(line.split("persistence ")[1].split()[0])
+    assert model < 0.8 * persistence, line
+    assert (tmp_path / "fc" / "era-statistics.json").exists()

@@ -24,10 +24,13 @@ class Source:
     store is opened without dask, and each read takes only the chunks it needs), with a
     name for messages and a token that changes when the data does."""
 
-    def __init__(self, data: Any, label: str, token: str) -> None:
+    def __init__(self, data: Any, label: str, token: str, *, is_store: bool = False,
+                 storage_options: dict | None = None) -> None:
         self.data = data
         self.label = label
         self.token = token
+        self.is_store = is_store  # a Zarr store at ``label``, opened here
+        self.storage_options = storage_options
 
 
 def open_source(source: Any, *, dims: Mapping[str, Sequence[str]] | None = None,
@@ -68,7 +71,8 @@ def _open_store(path: str, storage_options: dict | None) -> Source:
         with contextlib.suppress(OSError):
             modified = os.stat(os.path.join(url, "zarr.json")).st_mtime_ns
     structure = {name: (v.dims, v.shape, str(v.dtype)) for name, v in data.variables.items()}
-    return Source(data, url, tokenize(url, modified, structure))
+    return Source(data, url, tokenize(url, modified, structure), is_store=True,
+                  storage_options=storage_options)
 
 
 def _from_mapping(arrays: Mapping[str, Any], dims: Mapping[str, Sequence[str]] | None
