@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import distributed
 from distributed import Future
@@ -46,7 +47,8 @@ class HeadStart:
     submitted: list[tuple[Unit, Submitted]] = dataclasses.field(default_factory=list)
     fetched: list[Fetched] = dataclasses.field(default_factory=list)
     """Each submitted unit's batches coming into this process, where they are fetched."""
-    windows: dict[int, Future] = dataclasses.field(default_factory=dict)
+    # Window reads shared by the units (a Dask future, or the consumer's WindowCell).
+    windows: dict[int, Any] = dataclasses.field(default_factory=dict)
     rows: int = 0
     """Of the prefetch budget, held by the submitted units."""
 

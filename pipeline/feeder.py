@@ -233,6 +233,9 @@ class Feeder:
                 self._budget.release(1)
                 return not self._stop.is_set()
             future = submitter.submit(context, plan, unit, windows)
+            # Claims come mostly in order: a window behind this one is let go (one given
+            # back later is read again, which costs a read, never a batch).
+            forget_windows(windows, unit.window)
             self._stats.add_in_flight(1)
             self.handed.append(unit)
             self._queue.put((future, submitter.fetched(future, plan, unit, fetcher)))

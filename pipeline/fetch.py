@@ -153,13 +153,47 @@ def fetch_unit(client: Client, future: Future, plan: EpochPlan, unit: Unit, time
             return
 
 
+class WindowCell:
+    """A window read once in this process for every unit that needs it
+    (``placement="consumer"``): the first read thread to ask reads it, the others wait for
+    that read rather than make their own, as the units of the Dask placements share one
+    window task."""
+
+    def __init__(self, context: EpochContext, window: int) -> None:
+        self.context = context
+        self._window = window
+        self._lock = threading.Lock()
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def get(self) -> dict[str, np.ndarray]:
+        with self._lock:  # held by a thread that is reading, never by a queued one
+            if self._arrays is None:
+                self._arrays = load_window(self.context, self._window)
+            return self._arrays
+
+    def serves(self, context: EpochContext) -> bool:
+        """Whether this cell reads its window as ``context`` would (the same epoch's plan
+        and data: a head start's cell serves the epoch it was made for, no other)."""
+        mine, theirs = self.context, context
+        return mine is theirs or (mine.digest == theirs.digest
+                                  and mine.open()[1] == theirs.open()[1])
+
+    def release(self) -> None:
+        """Let go of the window's arrays (a unit that still asks reads it again)."""
+        with self._lock:
+            self._arrays = None
+
+
 def compute_here(context: EpochContext, unit: Unit, device: torch.device,
-                 finish: Finish | None = None) -> list[Tensors]:
+                 finish: Finish | None = None,
+                 cells: Sequence[WindowCell] | None = None) -> list[Tensors]:
     """A unit read, cut and turned into tensors on a read thread of this process
-    (``placement="consumer"``): one thread hop from the read to the consumer."""
+    (``placement="consumer"``): one thread hop from the read to the consumer. ``cells``:
+    the unit's windows, shared with the units next to it (one read for all)."""
     try:
-        batches = assemble_batches(unit.pieces, unit.windows,
-                                   *[load_window(context, w) for w in unit.windows])
+        arrays = [cell.get() for cell in cells] if cells is not None else \
+            [load_window(context, w) for w in unit.windows]
+        batches = assemble_batches(unit.pieces, unit.windows, *arrays)
     except BlockFailed as exc:
         raise PipelineError(exc.args[0]) from exc.original
     return _finished(batches, device, finish)

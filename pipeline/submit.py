@@ -13,7 +13,7 @@ from distributed import Client, Future, get_worker
 
 from dasktrain._cluster import declares_gpu
 from dasktrain.pipeline.errors import PipelineError
-from dasktrain.pipeline.fetch import Tensors, compute_here, fetch_unit
+from dasktrain.pipeline.fetch import Tensors, WindowCell, compute_here, fetch_unit
 from dasktrain.pipeline.finish import Finish
 from dasktrain.pipeline.plan import EpochPlan, Unit
 from dasktrain.pipeline.tasks import (
@@ -119,12 +119,22 @@ class Submitter:
         return EpochContext.pack(self.ref, plan, self.transform)
 
     def submit(self, context: EpochContext, plan: EpochPlan, unit: Unit,
-               windows: dict[int, Future]) -> Submitted:
+               windows: dict[int, Any]) -> Submitted:
         """Start a unit's work. ``windows`` holds the window reads already submitted for
-        this epoch (a shared window is read by one task); it grows here."""
+        this epoch (a shared window is read by one task, or where the consumer reads, one
+        :class:`WindowCell`); it grows here."""
         if self.placement == "consumer":
             assert self.local is not None, "placement 'consumer' reads in local threads"
-            return self.local.submit(compute_here, context, unit, self.device, self.finish)
+            cells = None
+            if not unit.exclusive:
+                cells = []
+                for w in unit.windows:
+                    cell = windows.get(w)
+                    if not (isinstance(cell, WindowCell) and cell.serves(context)):
+                        cell = windows[w] = WindowCell(context, w)
+                    cells.append(cell)
+            return self.local.submit(compute_here, context, unit, self.device, self.finish,
+                                     cells)
         client = self.client
         assert client is not None, "a Dask placement submits through a client"
         epoch = plan.epoch
@@ -163,7 +173,7 @@ class Submitter:
         return delivered
 
 
-def forget_windows(windows: dict[int, Future], current: int) -> None:
+def forget_windows(windows: dict[int, Any], current: int) -> None:
     """Keep a window's future only while a later unit may still need it; the scheduler keeps
     it for the submitted batch tasks that depend on it."""
     for w in [w for w in windows if w < current]:

@@ -126,28 +126,71 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
     group's copy, not all of it); with ``keep``, kept for the group's next windows, which
     usually run in the same process (a group is read once, not once per window)."""
     key = (context.digest, group)
-    with _GROUPS_LOCK:
-        found = _GROUPS.get(key)
-        if found is not None:
-            _GROUPS.move_to_end(key)
-            return found
-    parts = [_read_block(ref, *plan.block_range(block), block, plan.epoch)
-             for block in plan.groups[group]]
-    arrays = {n: np.concatenate([p[n] for p in parts]) if len(parts) > 1 else parts[0][n]
-              for n in parts[0]}
-    if not keep:
-        return arrays
-    with _GROUPS_LOCK:
-        _GROUPS[key] = arrays
-        while len(_GROUPS) > _GROUPS_KEEP:
-            _GROUPS.popitem(last=False)
+    while True:
+        with _GROUPS_LOCK:
+            found = _GROUPS.get(key)
+            if found is not None:
+                _GROUPS.move_to_end(key)
+                _LEFT[key] -= 1
+                if _LEFT[key] <= 0:  # its last window: the group has served its reads
+                    del _GROUPS[key], _LEFT[key]
+                return found
+            reading = _READING.get(key) if keep else None
+            if reading is None:
+                if keep:  # this thread reads it; another that asks meanwhile waits
+                    _READING[key] = threading.Event()
+                break
+        # Another thread of this process is reading the group (a window next to this
+        # one): wait for its read rather than make a second. It is running, not queued,
+        # and always sets the event; the bound only guards a read that hangs.
+        if not reading.wait(_READ_WAIT):
+            break
+    try:
+        parts = [_read_block(ref, *plan.block_range(block), block, plan.epoch)
+                 for block in plan.groups[group]]
+        arrays = {n: np.concatenate([p[n] for p in parts]) if len(parts) > 1
+                  else parts[0][n] for n in parts[0]}
+        left = _windows_of(context.digest, plan)[group] - 1 if keep else 0
+        if left > 0:
+            with _GROUPS_LOCK:
+                _GROUPS[key], _LEFT[key] = arrays, left
+                while len(_GROUPS) > _GROUPS_KEEP:
+                    _LEFT.pop(next(iter(_GROUPS)), None)
+                    _GROUPS.popitem(last=False)
+    finally:
+        if keep:
+            with _GROUPS_LOCK:
+                done = _READING.pop(key, None)
+            if done is not None:
+                done.set()
     return arrays
 
 
+def _windows_of(digest: str, plan: EpochPlan) -> collections.Counter:
+    """Windows per group of the epoch ``digest`` names (counted once per epoch)."""
+    with _GROUPS_LOCK:
+        found = _WINDOWS.get(digest)
+    if found is None:
+        found = collections.Counter(span.group for span in plan.window_spans)
+        with _GROUPS_LOCK:
+            _WINDOWS[digest] = found
+            while len(_WINDOWS) > _OPENED_KEEP:
+                _WINDOWS.popitem(last=False)
+    return found
+
+
+# A group read for several windows is kept until its last window has taken its rows (the
+# windows of one group run at about the same time, in whichever of a process's threads):
+# what is kept is the groups being cut, however many threads read, and a group whose
+# windows never all come (an epoch left early) goes out oldest first past the bound.
 _GROUPS: collections.OrderedDict[tuple[str, int], dict[str, np.ndarray]] = \
     collections.OrderedDict()
+_LEFT: dict[tuple[str, int], int] = {}  # windows still to take each kept group's rows
+_WINDOWS: collections.OrderedDict[str, collections.Counter] = collections.OrderedDict()
 _GROUPS_LOCK = threading.Lock()
-_GROUPS_KEEP = 2  # the group being cut into windows, and the next one
+_GROUPS_KEEP = 8
+_READING: dict[tuple[str, int], threading.Event] = {}  # groups being read, by whom waits
+_READ_WAIT = 300.0  # seconds a window waits for another thread's read of its group
 
 
 def window_arrays(plan: EpochPlan, transform: Transform | None, window: int,

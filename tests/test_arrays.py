@@ -4,9 +4,11 @@ on a real cluster."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 
+import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
@@ -346,3 +348,39 @@ def test_verify_lists_the_chunks_missing_from_the_store(store, tmp_path):
     assert dt.verify(_stacked(store), progress=False).ok
     in_memory = dt.verify(_stacked(_field()), progress=False)
     assert in_memory.ok and "no chunks to look for" in in_memory.notes[0]
+
+
+# -- what is read ------------------------------------------------------------------------
+_COMPUTED: collections.Counter = collections.Counter()
+
+
+def _counted_block(block: np.ndarray, block_info=None) -> np.ndarray:
+    """A chunk of the source, made when read, and counted (the pipeline reads in this
+    process: a dataset without a transform is read by the consumer's threads)."""
+    _COMPUTED[block_info[None]["chunk-location"]] += 1
+    return block
+
+
+def test_an_epoch_reads_each_chunk_at_most_twice_and_the_store_at_most_one_and_a_half_times(
+        client):
+    data = _field()
+    arrays = {n: da.from_array(data[n].values, chunks=(7, -1, -1, -1)[:data[n].ndim])
+              .map_blocks(_counted_block, dtype=data[n].dtype) for n in ("t", "u")}
+    ds = dt.open_arrays(arrays, dims={n: data[n].dims for n in arrays}, window=WINDOW,
+                        inputs=["t", "u"], targets=["t"], lead=1, stack=True)
+    chunks = -(-T // 7)  # 6 chunks of up to 7 steps, per variable
+    _COMPUTED.clear()
+    scheduler = dask.config.get("scheduler", None)
+    # One epoch's reads alone: no head start on the next one.
+    seen = sum(len(x) for x, _ in dt.Pipeline(ds, batch_size=8, seed=2, client=client,
+                                                prefetch_next_epoch=False))
+    assert seen == len(ds)
+    # Blocks of two chunks (a sample reads the step after its own): each block reads its
+    # two and the first of the next; both variables, both arrays (x and y share t).
+    assert max(_COMPUTED.values()) <= 2
+    assert sum(_COMPUTED.values()) <= 1.5 * 2 * chunks, _COMPUTED
+    # The read threads computed the chunks with a scheduler of their own: Dask's for
+    # this process is as it was (a cluster's futures still compute).
+    assert dask.config.get("scheduler", None) == scheduler
+    assert client.submit(sum, [1, 2]).result() == 3
+    assert da.ones(4, chunks=2).sum().compute() == 4

@@ -226,4 +226,6 @@ def open_arrays(
         "in_place": {"sample_dim": sample_dim, "window": dict(window), "stride": stride,
                      "input_steps": input_steps, "lead": lead},
     }
+    for array, _ in arrays.values():
+        array.siblings = len(arrays)
     return ArrayDataset(opened, {n: a for n, (a, _) in arrays.items()}, attrs)

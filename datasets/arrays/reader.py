@@ -47,6 +47,8 @@ class WindowArray:
         self.token = token
         self.nan = nan
         self.fill = fill
+        # The arrays of the dataset read block by block together (set by open_arrays).
+        self.siblings = 1
         self.geometry = geometry
         self.parts = parts
         self.stacked = stacked
@@ -82,7 +84,9 @@ class WindowArray:
         times, corners = geometry.locate(start, stop)
         t0, t1 = geometry.time_span(start, stop)
         sizes = [size for _, size in geometry.window]
-        pieces = []
+        n = stop - start
+        whole = np.empty((n, *self.shape[1:]), dtype=self.dtype)
+        channel = 0
         for part in self.parts:
             if part.kind == "static":
                 source, offsets = _cached(self, part.variable, None, None), None
@@ -91,8 +95,15 @@ class WindowArray:
                 first = times - t0
                 offsets = first + (geometry.steps - 1 + geometry.lead) \
                     if part.kind == "target" else first
-            out = np.empty((stop - start, *part.shape), dtype=self.dtype)
-            for k in range(stop - start):
+            # The part's place in the array: its channels of a stacked one (written there,
+            # not copied in after), or all of it.
+            if self.stacked:
+                channels = int(np.prod(part.shape[:len(part.shape) - len(sizes)]))
+                out = whole[:, channel:channel + channels].reshape(n, *part.shape)
+                channel += channels
+            else:
+                out = whole
+            for k in range(n):
                 where = tuple(slice(c, c + s) for c, s in zip(corners[k], sizes, strict=True))
                 if offsets is None:
                     out[k] = source[(Ellipsis, *where)]
@@ -105,17 +116,16 @@ class WindowArray:
                 out -= part.mean
                 out /= part.std
             self._missing(out, part, start, times, corners)
-            pieces.append(out.reshape(stop - start, -1, *sizes) if self.stacked else out)
-        return np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+        _done(self, t0, t1)
+        return whole
 
     def _missing(self, out: np.ndarray, part: Part, start: int, times: np.ndarray,
                  corners: np.ndarray) -> None:
         """NaN in the samples: filled (``nan="fill"``) or named (``"raise"``)."""
-        if out.dtype.kind != "f":
+        # One pass without a mask for the usual case: a minimum is NaN when any value is.
+        if out.dtype.kind != "f" or not np.isnan(out.min()):
             return
         missing = np.isnan(out)
-        if not missing.any():
-            return
         if self.nan == "fill":
             out[missing] = self.fill
             return
@@ -138,30 +148,56 @@ class WindowArray:
 
 def _cached(array: WindowArray, name: str, t0: int | None, t1: int | None) -> np.ndarray:
     """A variable's slab ``[t0, t1)`` along the sample dimension (or all of a static one),
-    with its dimensions ordered (sample, the others, the window's): kept for the few next
-    reads of this process, so that a variable that is both an input and a target, read
-    for two arrays of the same block, comes from the store once."""
+    with its dimensions ordered (sample, the others, the window's). The slabs of the
+    block a thread reads are kept by that thread until it reads another block: a block's
+    arrays are read one after the other in one thread, so a variable that is both an input
+    and a target comes from the store once, however many threads read other blocks
+    meanwhile. Static fields are kept for the process."""
     key = (array.token, name, t0, t1)
-    with _LOCK:
-        found = _SLABS.get(key)
-        if found is not None:
-            _SLABS.move_to_end(key)
-            return found
+    if t0 is None:
+        with _LOCK:
+            found = _STATIC.get(key)
+        if found is None:
+            found = _read(array, name, None, None)
+            with _LOCK:
+                _STATIC[key] = found
+                while len(_STATIC) > _KEEP_STATIC:
+                    _STATIC.popitem(last=False)
+        return found
+    block = (array.token, t0, t1)
+    kept = getattr(_THREAD, "slabs", None)
+    if kept is None or _THREAD.block != block:
+        kept = _THREAD.slabs = {}
+        _THREAD.block = block
+    found = kept.get(name)
+    if found is None:
+        found = kept[name] = _read(array, name, t0, t1)
+    return found
+
+
+def _done(array: WindowArray, t0: int, t1: int) -> None:
+    """``array`` has read the block ``[t0, t1)``: once every array of its dataset has,
+    the thread lets the block's slabs go rather than hold them until its next block."""
+    if getattr(_THREAD, "block", None) != (array.token, t0, t1):
+        return
+    readers = _THREAD.__dict__.setdefault("readers", set())
+    readers.add(id(array))
+    if len(readers) >= array.siblings:
+        _THREAD.slabs, _THREAD.block, _THREAD.readers = None, None, set()
+
+
+def _read(array: WindowArray, name: str, t0: int | None, t1: int | None) -> np.ndarray:
     geometry = array.geometry
     variable = array.data[name]
     window = [d for d, _ in geometry.window]
     lead = [geometry.sample_dim] if t0 is not None else []
     others = [d for d in variable.dims if d not in window and d not in lead]
     variable = variable.transpose(*lead, *others, *window)
-    slab = read_whole(variable) if t0 is None else \
+    return read_whole(variable) if t0 is None else \
         read_span(variable, geometry.sample_dim, t0, t1)
-    with _LOCK:
-        _SLABS[key] = slab
-        while len(_SLABS) > _KEEP:
-            _SLABS.popitem(last=False)
-    return slab
 
 
-_SLABS: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
+_THREAD = threading.local()
+_STATIC: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
 _LOCK = threading.Lock()
-_KEEP = 8  # a block's variables (inputs, targets, statics) with room for the next block's
+_KEEP_STATIC = 16  # a few datasets' static fields

@@ -9,7 +9,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import dask
 import numpy as np
 from dask.base import tokenize
 
@@ -111,12 +110,12 @@ def _token_of(data: Any) -> str:
 
 def read_span(variable: Any, dim: str, start: int, stop: int) -> np.ndarray:
     """``variable[dim=start:stop]`` as a numpy array, read where this runs (a dask-backed
-    variable computes here, in this thread: a read runs inside a Dask task)."""
-    with dask.config.set(scheduler="synchronous"):
-        return np.asarray(variable.isel({dim: slice(start, stop)}).values)
+    variable computes here, in this thread: a read runs inside a Dask task or a read
+    thread). The scheduler is given to this computation alone: setting it in Dask's
+    configuration would change it for every thread of the process meanwhile."""
+    return read_whole(variable.isel({dim: slice(start, stop)}))
 
 
 def read_whole(variable: Any) -> np.ndarray:
     """All of ``variable`` (a static field) as a numpy array, read here."""
-    with dask.config.set(scheduler="synchronous"):
-        return np.asarray(variable.values)
+    return np.asarray(variable.compute(scheduler="synchronous").values)
