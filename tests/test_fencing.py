@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -42,12 +43,19 @@ async def _joined(holder: ParameterHolder, workers: int) -> None:
         assert info["incarnation"] == 1
 
 
-async def _until(condition, what: str) -> None:
-    """Let the event loop run until ``condition()`` (turns of the loop: no time passes)."""
+async def _until(condition, what: str, deadline: float = 30.0) -> None:
+    """Let the event loop run until ``condition()``: turns of the loop first, then, for a
+    condition that waits on the holder's serial thread (which a loaded machine may not
+    run for a while), short sleeps up to ``deadline`` seconds."""
     for _ in range(200):
         if condition():
             return
         await asyncio.sleep(0)
+    ends = time.monotonic() + deadline
+    while time.monotonic() < ends:
+        if condition():
+            return
+        await asyncio.sleep(0.005)
     raise AssertionError(f"never: {what}")
 
 
