@@ -162,11 +162,17 @@ class Dataset:
         """The named split (e.g. ``"train"``) as a Dataset over its sample range."""
         splits = self.splits
         if name not in splits:
-            known = ", ".join(splits) or "none (prepare with --split train=0.9,val=0.1)"
+            known = ", ".join(splits) or self._NO_SPLITS
             raise KeyError(f"dataset {self.url} has no split {name!r}; splits: {known}")
         if self.split_name is not None:
             raise ValueError(f"{self!r} is already the split {self.split_name!r}")
-        start, stop = splits[name]
+        return self._view(*splits[name], name)
+
+    #: What a split error says when there are none.
+    _NO_SPLITS = "none (prepare with --split train=0.9,val=0.1)"
+
+    def _view(self, start: int, stop: int, name: str) -> Dataset:
+        """Samples ``[start, stop)`` as the split ``name``."""
         return Dataset(self.url, self.group, self.attrs, start, stop, split_name=name,
                        identity=self.identity, storage_options=self.storage_options)
 

@@ -281,7 +281,7 @@ def _verify_in_place(ds: ArrayDataset, storage_options: StorageOptions | None
                      ) -> VerifyReport:
     """An in-place dataset's store, listed: every chunk of the variables its samples read
     that is not there (Zarr would read it as the fill value)."""
-    variables = sorted({p.variable for n in ds.array_names for p in ds.zarr_array(n).parts})
+    variables = ds.variables
     if not ds.source.is_store:
         return VerifyReport(ds.url, 0, [], [f"{ds.url} is not a Zarr store dasktrain opened: "
                                             "no chunks to look for"])

@@ -20,7 +20,7 @@ from dasktrain.datasets.arrays.layout import (
 )
 from dasktrain.datasets.arrays.reader import WindowArray
 from dasktrain.datasets.arrays.source import Source, open_source
-from dasktrain.datasets.arrays.statistics import as_dask
+from dasktrain.datasets.arrays.statistics import over_steps
 from dasktrain.datasets.arrays.windows import Geometry
 from dasktrain.datasets.dataset import Dataset
 from dasktrain.datasets.errors import DatasetError
@@ -32,7 +32,11 @@ class ArrayDataset(Dataset):
     ``xarray.Dataset``, dask arrays): nothing is copied. The :class:`~dasktrain.Pipeline`,
     :meth:`Trainer.fit <dasktrain.Trainer.fit>`, ``evaluate`` and ``predict`` take it as
     they take a prepared dataset, with the same guarantees (every sample once per epoch,
-    any world size, mid-epoch resume). Obtain one with :func:`open_arrays`."""
+    any world size, mid-epoch resume). Obtain one with :func:`open_arrays`; a split
+    (``ds.split("train")``) holds the samples whose every step, inputs and targets, lies in
+    the split's range of the sample dimension."""
+
+    _NO_SPLITS = "none (give open_arrays splits={...})"
 
     def __init__(self, source: Source, arrays: dict[str, WindowArray],
                  attrs: Mapping[str, Any], start: int = 0, stop: int | None = None,
@@ -62,6 +66,11 @@ class ArrayDataset(Dataset):
         """Where each sample lies in the store."""
         return next(iter(self._arrays.values())).geometry
 
+    @property
+    def variables(self) -> list[str]:
+        """The store's variables its samples read, sorted."""
+        return sorted({p.variable for a in self._arrays.values() for p in a.parts})
+
     def count_nan(self) -> dict[str, int]:
         """NaN values per variable in the steps this dataset's samples read (a split's
         own), counted with Dask on the client's cluster (the default scheduler)."""
@@ -69,26 +78,12 @@ class ArrayDataset(Dataset):
 
         geometry = self.geometry
         steps = geometry.time_span(self.start, self.stop)
-        data = self.source.data
-        counts = {}
-        for name in sorted({p.variable for a in self._arrays.values() for p in a.parts}):
-            variable = data[name]
-            if geometry.sample_dim in variable.dims:
-                variable = variable.isel({geometry.sample_dim: slice(*steps)})
-            counts[name] = as_dask(variable).isnull().sum()
+        counts = {name: over_steps(self.source.data[name], geometry.sample_dim, steps)
+                  .isnull().sum() for name in self.variables}
         (done,) = dask.compute(counts)
         return {n: int(v.values) for n, v in done.items()}
 
-    def split(self, name: str) -> ArrayDataset:
-        """The named split: the samples whose every time step (inputs and targets) lies in
-        the split's range of the sample dimension."""
-        splits = self.splits
-        if name not in splits:
-            known = ", ".join(splits) or "none (give open_arrays splits={...})"
-            raise KeyError(f"{self.url} has no split {name!r}; splits: {known}")
-        if self.split_name is not None:
-            raise ValueError(f"{self!r} is already the split {self.split_name!r}")
-        start, stop = splits[name]
+    def _view(self, start: int, stop: int, name: str) -> ArrayDataset:
         return ArrayDataset(self.source, self._arrays, self.attrs, start, stop,
                             split_name=name, identity=self.identity)
 
@@ -226,6 +221,4 @@ def open_arrays(
         "in_place": {"sample_dim": sample_dim, "window": dict(window), "stride": stride,
                      "input_steps": input_steps, "lead": lead},
     }
-    for array, _ in arrays.values():
-        array.siblings = len(arrays)
     return ArrayDataset(opened, {n: a for n, (a, _) in arrays.items()}, attrs)

@@ -118,7 +118,16 @@ def normalized(part: Part, dims: tuple, geometry: Geometry,
 def window_arrays(data: Any, token: str, geometry: Geometry, parts: list[Part], stack: bool,
                   missing: dict[str, Any]) -> dict[str, tuple[WindowArray, str]]:
     """The dataset's arrays and their roles: ``x`` and ``y`` stacked, or one per variable
-    (a target that is also an input named ``{name}_target``)."""
+    (a target that is also an input named ``{name}_target``). Each knows how many arrays
+    read a block together (see :class:`WindowArray`)."""
+    arrays = _arrays_of(data, token, geometry, parts, stack, missing)
+    for array, _ in arrays.values():
+        array.siblings = len(arrays)
+    return arrays
+
+
+def _arrays_of(data: Any, token: str, geometry: Geometry, parts: list[Part], stack: bool,
+               missing: dict[str, Any]) -> dict[str, tuple[WindowArray, str]]:
     def make(chosen: list[Part], stacked: bool) -> WindowArray:
         dtype = np.result_type(*(data[p.variable].dtype for p in chosen))
         if any(p.mean is not None for p in chosen):

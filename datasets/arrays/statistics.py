@@ -15,7 +15,8 @@ import numpy as np
 from dasktrain._durable import read_bytes, write_bytes_atomic
 from dasktrain.datasets.errors import DatasetError
 
-__all__ = ["Statistics", "as_dask", "compute_statistics", "given", "load_or_compute"]
+__all__ = ["Statistics", "as_dask", "compute_statistics", "given", "load_or_compute",
+           "over_steps"]
 
 #: ``{variable: (mean, std)}``: arrays over the variable's dimensions kept apart (in the
 #: variable's order), or scalars.
@@ -32,10 +33,7 @@ def compute_statistics(data: Any, variables: Sequence[str], sample_dim: str,
 
     lazy = {}
     for name in variables:
-        variable = data[name]
-        if sample_dim in variable.dims:
-            variable = variable.isel({sample_dim: slice(*steps)})
-        variable = as_dask(variable)
+        variable = over_steps(data[name], sample_dim, steps)
         keep = [d for d in variable.dims if d in per]
         reduce = [d for d in variable.dims if d not in keep]
         values = variable.astype(np.float64)
@@ -49,6 +47,14 @@ def compute_statistics(data: Any, variables: Sequence[str], sample_dim: str,
                                f"{steps[0]}:{steps[1]} of {sample_dim!r}: no statistics")
         out[name] = (mean, np.where(std > 0, std, 1.0))  # a constant field: centred only
     return out
+
+
+def over_steps(variable: Any, sample_dim: str, steps: tuple[int, int]) -> Any:
+    """``variable``'s store steps ``[a, b)`` (a static field: all of it), dask-backed, for
+    one Dask reduction over them."""
+    if sample_dim in variable.dims:
+        variable = variable.isel({sample_dim: slice(*steps)})
+    return as_dask(variable)
 
 
 def as_dask(variable: Any) -> Any:
