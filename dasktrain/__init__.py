@@ -20,7 +20,7 @@ from dasktrain.datasets import (
     verify,
 )
 from dasktrain.datasets.tokenizers import load_tokenizer
-from dasktrain.errors import DasktrainError
+from dasktrain.errors import ClusterStuck, DasktrainError
 
 try:
     __version__ = version("dasktrain")
@@ -81,6 +81,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "ArrayDataset",
     "Callback",
+    "ClusterStuck",
     "DasktrainError",
     "Dataset",
     "DatasetError",

@@ -10,29 +10,52 @@ from typing import Any
 from distributed import Client, Future, as_completed
 from tqdm.auto import tqdm
 
+from dasktrain._watch import PauseWatch
+from dasktrain.errors import ClusterStuck
+
 __all__ = ["gather_with_progress", "wait_until_stopped"]
 
 logger = logging.getLogger(__name__)
 
 #: How long a cancelled job may take to let its running tasks finish.
 STOP_TIMEOUT = 60.0
+#: Between looks at finished tasks while none is (``as_completed``'s own iteration waits
+#: 0.1 s), here so that the watch for paused workers runs between looks.
+_LOOK = 0.05
+#: What a worker running a job's tasks needs, for the message when they cannot run.
+TASK_MEMORY_HINT = ("a worker's process needs about 200 MiB for Python and Dask, plus a "
+                    "few of the job's chunks at once")
 
 
 def gather_with_progress(
-    client: Client, futures: Sequence[Future], desc: str, progress: bool = True
+    client: Client, futures: Sequence[Future], desc: str, progress: bool = True,
+    hint: str = TASK_MEMORY_HINT,
 ) -> list[Any]:
     """Results of ``futures`` in their order, a bar ticking as each finishes.
 
     The first failure (or a Ctrl-C) cancels whatever is still running, so an aborted job
-    does not keep the cluster busy, then re-raises.
+    does not keep the cluster busy, then re-raises. Workers that stay paused or closing
+    while nothing finishes and no other worker runs one of the tasks raise
+    :class:`~dasktrain.errors.ClusterStuck` within seconds (``hint``: what a worker of the
+    job needs), not a wait without end.
     """
+    watch = PauseWatch(client, ClusterStuck, hint)
+    pending = {future.key for future in futures}
     try:
         with tqdm(total=len(futures), desc=desc, unit="chunk", disable=not progress,
                   leave=False, dynamic_ncols=True) as bar:
-            for future in as_completed(futures, loop=client.loop):
-                if future.status != "finished":
-                    future.result()  # raises the task's error
-                bar.update(1)
+            finished = as_completed(futures, loop=client.loop)
+            while not finished.is_empty():
+                batch = finished.next_batch(block=False)
+                if not batch:
+                    watch.check(len(pending), desc, keys=pending)
+                    time.sleep(_LOOK)
+                    continue
+                for future in batch:
+                    if future.status != "finished":
+                        future.result()  # raises the task's error
+                    pending.discard(future.key)
+                bar.update(len(batch))
         # One request per worker for all results, rather than a round trip per future.
         results = client.gather(list(futures))
     except BaseException:

@@ -26,5 +26,6 @@ class OutputExistsError(DasktrainError, FileExistsError):
 
 
 class PreparationFailed(DasktrainError, RuntimeError):
-    """The cluster could not run a preparation (its workers died again and again); the
-    message says the likely cause and what to change."""
+    """The cluster could not run a preparation (its workers died again and again, or
+    stayed paused for their memory); the message says the likely cause and what to
+    change."""

@@ -62,6 +62,7 @@ from dasktrain.datasets.sources.named import check_specs
 from dasktrain.datasets.splits import SplitPlan
 from dasktrain.datasets.stats import merge_all
 from dasktrain.datasets.two_pass import write_staged
+from dasktrain.errors import ClusterStuck
 
 __all__ = ["TASK_BYTES", "plan_tasks", "prepare"]
 
@@ -121,13 +122,16 @@ def _expected(src: Source) -> str:
 def _killed(src: Source, exc: KilledWorker) -> PreparationFailed:
     """The error of a preparation whose workers died again and again, saying the usual
     cause (a worker's memory) and what to change."""
-    hint = getattr(src, "memory_hint", None)
-    fix = (hint() if hint is not None else
-           "give a smaller --chunk-size (chunk_size=), or the workers more memory")
     return PreparationFailed(
         f"the workers preparing this dataset died while running its tasks, again and again "
         f"(Dask gave up: {type(exc).__name__}); a worker killed for using more memory than "
-        f"it may is the usual cause: {fix}")
+        f"it may is the usual cause: {_memory_fix(src)}")
+
+
+def _memory_fix(src: Source) -> str:
+    hint = getattr(src, "memory_hint", None)
+    return (hint() if hint is not None else
+            "give a smaller --chunk-size (chunk_size=), or the workers more memory")
 
 
 def _build(client: Client, source: str, src: Source, root: zarr.Group, scratch_store: StoreLike,
@@ -291,6 +295,9 @@ def prepare(
                                staged.stage_store(), config, progress)
             except KilledWorker as exc:
                 raise _killed(src, exc) from exc
+            except ClusterStuck as exc:
+                raise PreparationFailed(f"preparing {target}: {exc}; for this source: "
+                                        f"{_memory_fix(src)}") from exc
         staged.publish(attrs)
     except Exception as exc:
         # A build at a URL that another preparation's publish retired fails in its tasks,

@@ -71,8 +71,11 @@ def test_e2e_quick_measures_both_sides_on_one_host_and_across_two_and_both_train
     for (_, _, alone, ours_share, ddp_share, lead), (*_, ours, ddp, _, _) in zip(
             ceiling, table, strict=True):
         alone, ours, ddp = (int(v.replace(",", "")) for v in (alone, ours, ddp))
-        assert ours_share == f"{ours / alone:.0%}" and ddp_share == f"{ddp / alone:.0%}"
-        assert lead == f"{alone / ddp:.2f}x"
+        # The table's ratios come from the unrounded figures, so they may differ by one in
+        # their last digit from a ratio of the printed whole numbers (1.81x and 1.82x).
+        assert abs(int(ours_share[:-1]) - 100 * ours / alone) <= 1
+        assert abs(int(ddp_share[:-1]) - 100 * ddp / alone) <= 1
+        assert abs(float(lead[:-1]) - alone / ddp) <= 0.011
         assert alone > 0  # how it compares is the benchmark's to show, not a test's
     # One epoch of each trains the model, and to about the same loss.
     losses = re.search(r"dasktrain (\d+\.\d+), DDP (\d+\.\d+) \(initial (\d+\.\d+)\)", stdout)

@@ -106,16 +106,16 @@ def _peak_rss() -> int:
 
 
 @pytest.mark.slow
-# 27-31 s alone; beside the suite's other process on 2 cores it once ran past the default
-# 180 s, its one worker near its memory limit (see the issue note): room, not a new bound.
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # ~35 s alone; beside the suite's other process on 2 cores, more
 def test_dataset_several_times_worker_memory_prepares_in_bounded_memory(tmp_path):
-    """~1 GB (3x the limit) through one worker limited to 320 MiB, in the two-pass path.
+    """~1.3 GB (3x the limit) through one worker limited to 400 MiB, in the two-pass path.
 
     A quarter-size run first sets the worker's peak; four times the data must not raise it
-    by more than a few chunks' worth, and the nanny must never have killed the worker.
+    by more than a few chunks' worth, and the nanny must never have killed the worker. The
+    worker's own modules take ~185 MiB of it: at 320 MiB, its peak of ~235 MiB was within
+    ~20 MiB of where Dask pauses a worker (80 %), which a loaded machine once crossed.
     """
-    limit = 320 * 2**20
+    limit = 400 * 2**20
     # Spawned, not forked from the suite's preloaded server (see conftest.py): the limit is
     # set against a fresh worker process's own memory.
     spawned = {"distributed.worker.multiprocessing-method": "spawn"}
@@ -126,9 +126,9 @@ def test_dataset_several_times_worker_memory_prepares_in_bounded_memory(tmp_path
         pid_before = client.run(os.getpid)
         options = {"client": client, "progress": False, "width": 32,
                    "split": "train=0.9,val=0.1"}
-        dt.prepare("regression", tmp_path / "small.zarr", samples=1_925_000, **options)
+        dt.prepare("regression", tmp_path / "small.zarr", samples=2_425_000, **options)
         (small_peak,) = client.run(_peak_rss).values()
-        ds = dt.prepare("regression", tmp_path / "m.zarr", samples=7_700_000, **options)
+        ds = dt.prepare("regression", tmp_path / "m.zarr", samples=9_700_000, **options)
         (big_peak,) = client.run(_peak_rss).values()
         assert client.run(os.getpid) == pid_before  # never killed and restarted
     size = ds.x.nbytes + ds.y.nbytes

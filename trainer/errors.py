@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dasktrain.errors import DasktrainError
+from dasktrain.errors import ClusterStuck, DasktrainError
 
 __all__ = ["Fenced", "HolderLost", "InvalidLoss", "ShardedWorkerLost", "TrainerError",
            "TrainingDiverged", "WorkersPaused"]
@@ -34,7 +34,7 @@ class TrainingDiverged(TrainerError):
     or every gradient refused for ``nonfinite_patience`` rounds in a row."""
 
 
-class WorkersPaused(TrainerError):
+class WorkersPaused(TrainerError, ClusterStuck):
     """The Dask workers the run needs are paused (memory) or closing, so nothing can run."""
 
 

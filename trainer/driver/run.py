@@ -47,7 +47,7 @@ from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.driver.checkpoint import save_checkpoint
 from dasktrain.trainer.driver.elastic import WorkerPlaces, replica_hosts
 from dasktrain.trainer.driver.update_log import KINDS, UpdateLog
-from dasktrain.trainer.driver.watch import PauseWatch
+from dasktrain.trainer.driver.watch import trainer_watch
 from dasktrain.trainer.errors import (
     HolderLost,
     ShardedWorkerLost,
@@ -104,7 +104,7 @@ class FitRun:
                                                   for name in KINDS.values()},
                               version=history.version[-1] if history.version else 0)
         self._deferred: dict[str, Any] | None = None  # a state ahead of the boundary saved
-        self._pauses = PauseWatch(client)
+        self._pauses = trainer_watch(client)
         self._plans: Pipeline | None = None
         self.shares: dict[int, int] = {}  # batches of the epoch taken per worker (dynamic)
         self.member_addresses: dict[int, str] = {}  # where each worker joined from
