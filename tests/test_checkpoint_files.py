@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import stat
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -13,9 +14,10 @@ import dasktrain as dt
 from dasktrain.datasets.atomic import StagedDirectory
 from dasktrain.trainer.driver.checkpoint import load_checkpoint, save_checkpoint
 from dasktrain.trainer.driver.run import FitRun
-from dasktrain.trainer.driver.update_log import UpdateLog, split_kinds
+from dasktrain.trainer.driver.update_log import KINDS, UpdateLog, split_kinds
 from dasktrain.trainer.exchange.handle import HolderHandle
 from dasktrain.trainer.flat import FlatModel
+from dasktrain.trainer.view.history import History
 from dasktrain.trainer.worker.compute import BatchCompute
 from dasktrain.trainer.worker.config import WorkerConfig
 from tests.common.training import mlp, mse, zeros, zeros_holder
@@ -99,6 +101,61 @@ def test_checkpoints_keep_a_constant_size_and_never_go_backwards(client, regress
         assert again.epochs == history.epochs and again.events == history.events
         assert again.claims == history.claims and again.loss == history.loss
     assert abs(sizes[8] - sizes[2]) < 64, sizes
+
+
+def test_a_checkpoints_summary_costs_the_same_however_long_the_history():
+    """The History's summary in every checkpoint leaves out the per-update lists, events,
+    claims and epoch records (the run's log has them) without copying them first: once it
+    deep-copied the whole History and dropped the lists after, so that a soak's epochs
+    grew slower by 2 ms each (W14)."""
+    def allocated(updates: int) -> int:
+        history = History(mode="async", workers=2)
+        rows = range(updates)
+        history.extend({"version": list(rows), "loss": [0.5] * updates,
+                        "samples": [64] * updates, "contributors": [1] * updates,
+                        "gradients": [1] * updates, "time": [0.1] * updates,
+                        "staleness": [1] * updates, "staleness_worker": [0] * updates,
+                        "scale": [1.0] * updates, "compensated": [False] * updates,
+                        "dropped": [False] * updates})
+        history.events += [f"v{v}: an event" for v in range(updates // 10)]
+        history.claims += [[0, v, 0, v, v + 1] for v in range(updates // 10)]
+        history.epochs += [{"epoch": e, "train": {"loss": 0.1}} for e in range(updates // 50)]
+        tracemalloc.start()
+        summary = history.to_dict(per_update=False, empty=KINDS.values())
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert "loss" not in summary and summary["extra"] == {}
+        assert summary["events"] == summary["claims"] == summary["epochs"] == []
+        assert summary["mode"] == "async" and summary["workers"] == 2
+        return peak
+
+    assert allocated(200_000) < 2 * allocated(2_000) + 4096
+
+
+def test_a_bounded_history_keeps_the_last_updates_and_counts_the_whole_run(
+        client, regression, tmp_path):
+    def trainer(**options) -> dt.Trainer:
+        return dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode="async", workers=2,
+                          batch_size=16, progress=False, **options)
+
+    full = trainer().fit(regression, epochs=2, client=client)
+    run = tmp_path / "run"
+    bounded = trainer(history_updates=10).fit(regression, epochs=2, client=client,
+                                              checkpoint=run)
+    assert bounded.updates == full.updates > 10
+    assert bounded.version == list(range(full.updates - 9, full.updates + 1))
+    assert len(bounded.loss) == len(bounded.samples) == 10
+    assert len(bounded.staleness) == sum(bounded.gradients)
+    assert bounded.samples_before + sum(bounded.samples) == sum(full.samples)
+    assert len(bounded.epochs) == len(full.epochs) == 2
+    # Resumed, the History is rebuilt from the run's log (which keeps every update) and
+    # bounded again; the log goes on keeping every update.
+    again = trainer(history_updates=10).fit(regression, epochs=3, client=client,
+                                            checkpoint=run, resume=run)
+    assert again.updates == again.version[-1] == len(split_kinds(UpdateLog(run).read())[0])
+    assert again.updates > full.updates and len(again.loss) == 10
+    with pytest.raises(ValueError, match="history_updates must be a positive integer"):
+        trainer(history_updates=0)
 
 
 def test_a_state_of_the_next_epoch_is_written_after_the_boundary_before_it(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import statistics
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,13 @@ class History:
     claim of work as ``[epoch, version, worker, first batch, stop]``; ``fenced_calls``
     counts the calls the holder refused because they came from a worker's task that was
     no longer current (a dead one's late push, a claim that waited while it was dropped).
+
+    The per-update and per-gradient lists grow with the run (about 0.3 KB of the driver's
+    memory per update). With ``kept_updates`` (``Trainer(history_updates=N)``) only the
+    last N updates' records stay; ``updates_before`` and ``samples_before`` count those let
+    go, so that :attr:`updates` and :attr:`samples_per_second` still cover the whole run
+    (staleness figures cover the updates kept). A run's log beside its checkpoint keeps
+    every record.
     """
 
     mode: str = ""
@@ -65,14 +74,38 @@ class History:
     refused_gradients: int = 0
     fenced_calls: int = 0
     wall_time: float = 0.0
+    kept_updates: int | None = None
+    updates_before: int = 0
+    samples_before: int = 0
 
     def extend(self, records: dict[str, list]) -> None:
-        """Append a batch of the holder's update records."""
+        """Append a batch of the holder's update records (then let the oldest go, past
+        ``kept_updates``)."""
         for name, values in records.items():
             if name in _OWN:
                 getattr(self, name).extend(values)
             else:
                 self.extra.setdefault(name, []).extend(values)
+        self.keep(self.kept_updates)
+
+    def keep(self, updates: int | None) -> None:
+        """Keep the records of the last ``updates`` updates only (None: all), from now on."""
+        self.kept_updates = updates
+        if updates is None or len(self.version) <= updates:
+            return
+        gone = len(self.version) - updates
+        # Per-gradient lists hold one entry per gradient recorded for an update.
+        counts = self.gradients if len(self.gradients) == len(self.version) \
+            else self.contributors
+        gradients = sum(counts[:gone])
+        self.updates_before += gone
+        self.samples_before += sum(self.samples[:gone])
+        for name in PER_UPDATE:
+            del getattr(self, name)[:gone]
+        for name in PER_GRADIENT:
+            del getattr(self, name)[:gradients]
+        for values in self.extra.values():
+            del values[:gradients]
 
     def __getattr__(self, name: str) -> list:
         # Only reached for names that are not fields: a mode's declared record fields.
@@ -93,11 +126,13 @@ class History:
 
     @property
     def updates(self) -> int:
-        return len(self.loss)
+        """Updates over the whole run (those let go past ``kept_updates`` included)."""
+        return self.updates_before + len(self.loss)
 
     @property
     def samples_per_second(self) -> float:
-        return sum(self.samples) / self.wall_time if self.wall_time > 0 else 0.0
+        samples = self.samples_before + sum(self.samples)
+        return samples / self.wall_time if self.wall_time > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
         """Headline figures."""
@@ -120,14 +155,23 @@ class History:
             "events": len(self.events),
         }
 
-    def to_dict(self, per_update: bool = True) -> dict[str, Any]:
-        """Plain lists and numbers; ``per_update=False`` leaves out the per-update and
-        per-gradient lists (a fit's checkpoint keeps those in its update log)."""
-        values = dataclasses.asdict(self)
-        if not per_update:
-            for name in (*PER_UPDATE, *PER_GRADIENT):
-                del values[name]
-            values["extra"] = {}
+    def to_dict(self, per_update: bool = True, empty: Collection[str] = ()) -> dict[str, Any]:
+        """Plain lists and numbers (copies); ``per_update=False`` leaves out the per-update
+        and per-gradient lists (a fit's checkpoint keeps those in its update log), and the
+        fields named in ``empty`` come out empty (``events``, ``claims``, ``epochs``: the
+        log keeps them too). What is left out is not copied: a checkpoint's summary costs
+        the same however long the run."""
+        left_out = set() if per_update else {*PER_UPDATE, *PER_GRADIENT}
+        values = {}
+        for field in dataclasses.fields(self):
+            name = field.name
+            if name in left_out:
+                continue
+            value = getattr(self, name)
+            if name in empty or (name == "extra" and not per_update):
+                values[name] = type(value)()
+            else:
+                values[name] = copy.deepcopy(value)
         return values
 
     @classmethod
