@@ -105,6 +105,8 @@ _DOCS: dict[str, dict[str, str]] = {
         "bucket_bytes": "least bytes of a gradient bucket sent during backward",
         "on_nonfinite": "raise | skip: a non-finite loss or gradient",
         "nonfinite_patience": "refused rounds in a row that stop a run under skip",
+        "history_updates": "keep the last this many updates' records in the History "
+                           "(default: all)",
         "torch_threads": "torch threads per worker process (0: torch's default)",
         "pause_dask_profiler": "pause Dask's statistical profiler on workers that train",
         "precision": "\"32\" | \"bf16\" | \"fp16\"",

@@ -157,7 +157,7 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
         timeout=trainer.timeout, clip=(trainer.clip_grad_norm, trainer.clip_grad_value),
         assignment=assignment, pause_dask_profiler=trainer.pause_dask_profiler)
     trainer.history = history  # the run's own, growing: callbacks may read and add to it
-    bar = _progress_bar(trainer, total_steps, initial=len(history.loss))
+    bar = _progress_bar(trainer, total_steps, initial=history.updates)
     started = time.perf_counter() - history.wall_time
     try:
         with cluster_client(client) as c:
@@ -178,6 +178,8 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
                          storage_options=storage_options, min_workers=trainer.min_workers,
                          on_records=lambda records: [cb.on_update(trainer, records)
                                                      for cb in callbacks])
+            # Bounded only now: the run's log has been rewritten from every record.
+            history.keep(trainer.history_updates)
             trainer._current_run = run
             try:
                 _run_epochs(trainer, run, c, state, start, epochs, history, started,

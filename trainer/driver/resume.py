@@ -36,6 +36,10 @@ def checkpoint_history(state: dict[str, Any], path: str | os.PathLike,
     if not history.version and "holder" in state:
         log = UpdateLog(path, storage_options=storage_options)
         updates, others = split_kinds(log.read(up_to_version=int(state["holder"]["version"])))
+        # The log has every update's record, those a bounded History had let go too: all
+        # are taken back (the fit bounds them again once it has rewritten the log).
+        history.updates_before = history.samples_before = 0
+        history.kept_updates = None
         history.extend(records_of(updates))
         for name, items in others.items():
             getattr(history, name).extend(items)

@@ -46,6 +46,7 @@ from dasktrain._durable import StorageOptions
 from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.driver.checkpoint import save_checkpoint
 from dasktrain.trainer.driver.elastic import WorkerPlaces, replica_hosts
+from dasktrain.trainer.driver.loadable import check_loadable
 from dasktrain.trainer.driver.update_log import KINDS, UpdateLog
 from dasktrain.trainer.driver.watch import trainer_watch
 from dasktrain.trainer.errors import (
@@ -131,6 +132,9 @@ class FitRun:
         if holder_worker is not None and holder_worker not in workers:
             raise ValueError(f"holder_worker {holder_worker!r} is not a worker of this "
                              f"cluster; workers: {self.addresses}")
+        check_loadable(client, {"the model, its optimizer and mode": holder_config,
+                                "the loss, metrics, step, transform and data": worker_config},
+                       workers)
         if shards == 1:
             targets = [holder_worker or _roomiest(workers)]
             configs = [holder_config]
@@ -555,16 +559,17 @@ class FitRun:
         if complete_epochs is None:
             complete_epochs = int(holder_state["epoch"])
         if (version, complete_epochs) < self._saved:  # never backwards
-            logger.warning("a checkpoint at version %d (%d epochs complete) was not written: "
-                           "the one at version %d (%d) is newer", version, complete_epochs,
-                           *self._saved)
+            # The same version with fewer epochs complete is a mark that fell on an epoch's
+            # last update, taken before the boundary: the boundary's checkpoint has it.
+            log = logger.warning if version < self._saved[0] else logger.debug
+            log("a checkpoint at version %d (%d epochs complete) was not written: the one "
+                "at version %d (%d) is newer", version, complete_epochs, *self._saved)
             return
         extra = self.checkpoint_extra()
         if self._log is not None:
             self._log.sync()
         # Of constant size: what grows with the run is in the run's log (see update_log).
-        summary = self.history.to_dict(per_update=False)
-        summary.update({name: [] for name in KINDS.values()})
+        summary = self.history.to_dict(per_update=False, empty=KINDS.values())
         self.last_checkpoint = save_checkpoint(self.checkpoint, {
             "holder": holder_state, "complete_epochs": complete_epochs,
             "history": summary, **extra}, storage_options=self.storage_options)

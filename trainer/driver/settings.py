@@ -42,7 +42,8 @@ PLAIN_KEYWORDS = ("mode", "workers", "batch_size", "seed", "shuffle", "prefetch"
                   "shuffle_blocks", "block_rows", "drop_last", "device", "holder_worker",
                   "holder_shards", "timeout", "barrier_timeout", "direct_channel",
                   "shared_memory", "balance", "bucket_bytes", "on_nonfinite", "nonfinite_patience",
-                  "checkpoint_every", "progress", "torch_threads", "precision", "as_dict",
+                  "checkpoint_every", "history_updates", "progress", "torch_threads",
+                  "precision", "as_dict",
                   "clip_grad_norm", "clip_grad_value", "assignment", "pause_dask_profiler")
 """The Trainer's keyword arguments whose values are plain scalars (``mode_options`` and
 ``optimizer`` are plain data too, written as a dict each)."""
@@ -77,6 +78,7 @@ class TrainerSettings(Protocol):
     on_nonfinite: str
     nonfinite_patience: int
     checkpoint_every: int | None
+    history_updates: int | None
     show_progress: bool
     torch_threads: int
     pause_dask_profiler: bool
@@ -155,7 +157,7 @@ def check_arguments(*, loss: Any, step: Any, metrics: dict[str, Any], precision:
                     batch_size: Any, holder_shards: Any, clip_grad_norm: Any,
                     clip_grad_value: Any, checkpoint_every: Any, bucket_bytes: Any,
                     timeout: float, barrier_timeout: float, on_nonfinite: Any,
-                    nonfinite_patience: Any) -> None:
+                    nonfinite_patience: Any, history_updates: Any = None) -> None:
     """Refuse bad Trainer arguments by name, before any cluster work."""
     check_compute_options(loss, step, metrics, precision)
     _check_clip(clip_grad_norm, clip_grad_value)
@@ -168,6 +170,11 @@ def check_arguments(*, loss: Any, step: Any, metrics: dict[str, Any], precision:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every!r}")
+    if history_updates is not None and (isinstance(history_updates, bool)
+                                        or not isinstance(history_updates, int)
+                                        or history_updates < 1):
+        raise ValueError(f"history_updates must be a positive integer or None (every "
+                         f"update), got {history_updates!r}")
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     if timeout <= 0 or barrier_timeout <= 0:
@@ -256,7 +263,8 @@ def saved_settings(trainer: TrainerSettings) -> dict[str, Any]:
             "bucket_bytes": trainer.bucket_bytes,
             "on_nonfinite": trainer.on_nonfinite,
             "nonfinite_patience": trainer.nonfinite_patience,
-            "checkpoint_every": trainer.checkpoint_every, "progress": trainer.show_progress,
+            "checkpoint_every": trainer.checkpoint_every,
+            "history_updates": trainer.history_updates, "progress": trainer.show_progress,
             "torch_threads": trainer.torch_threads,
             "pause_dask_profiler": trainer.pause_dask_profiler,
             "loss": _names(trainer.compute)[0],

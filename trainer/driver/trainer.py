@@ -144,6 +144,12 @@ class Trainer:
     checkpoint_every
         Also checkpoint every this many updates (taken by the holder at exactly those
         update counts), not only at epoch ends.
+    history_updates
+        Keep the per-update and per-gradient records of the last this many updates in the
+        :class:`History` (default None: every update's). A record costs the driver about
+        0.3 KB, so a run of millions of updates may want a bound; the epoch records and
+        the run's totals are kept whole, and the run's log beside a checkpoint keeps every
+        update's record.
     progress
         Show a progress bar (notebook-aware).
     torch_threads, pause_dask_profiler
@@ -214,6 +220,7 @@ class Trainer:
         on_nonfinite: str = "raise",
         nonfinite_patience: int = 10,
         checkpoint_every: int | None = None,
+        history_updates: int | None = None,
         progress: bool = True,
         torch_threads: int = 1,
         pause_dask_profiler: bool = True,
@@ -236,7 +243,8 @@ class Trainer:
                         clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
                         checkpoint_every=checkpoint_every, bucket_bytes=bucket_bytes,
                         timeout=timeout, barrier_timeout=barrier_timeout,
-                        on_nonfinite=on_nonfinite, nonfinite_patience=nonfinite_patience)
+                        on_nonfinite=on_nonfinite, nonfinite_patience=nonfinite_patience,
+                        history_updates=history_updates)
         self.loss = loss
         self.compute = BatchCompute(loss, step, metrics, precision)
         self.clip_grad_norm = clip_grad_norm
@@ -263,6 +271,7 @@ class Trainer:
         self.on_nonfinite = on_nonfinite
         self.nonfinite_patience = nonfinite_patience
         self.checkpoint_every = checkpoint_every
+        self.history_updates = history_updates
         self.show_progress = progress
         self.torch_threads, self.pause_dask_profiler = torch_threads, bool(pause_dask_profiler)
         self.model: torch.nn.Module = self._factory()
