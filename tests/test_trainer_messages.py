@@ -258,3 +258,32 @@ def test_fit_save_and_load_take_storage_options_for_object_storage(client, regre
     torch.testing.assert_close(flat_parameters(final.model), flat_parameters(resumed.model))
     with pytest.raises(TypeError, match="storage_options must be a dict"):
         resumed.save(s3.url("options/other.pt"), storage_options="anon=true")
+
+
+def test_a_model_the_workers_cannot_import_fails_at_once_naming_the_module(
+        client, regression, tmp_path, monkeypatch):
+    """A model class from a module only the driver can import: the holder's worker would
+    die reading its task and the fit wait out its timeout; it stops before any task."""
+    (tmp_path / "driver_only_models.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 1)
+
+            def forward(self, x):
+                return self.lin(x)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))  # this process only: the workers run already
+    from driver_only_models import Net
+
+    trainer = dt.Trainer(Net, mse, dt.optim.sgd(0.01), mode="async", workers=2,
+                         batch_size=16, progress=False, timeout=120)
+    with pytest.raises(dt.TrainerError) as caught:
+        trainer.fit(regression, epochs=1, client=client)
+    message = str(caught.value)
+    assert message.startswith("the workers cannot load the model, its optimizer and mode")
+    assert "ModuleNotFoundError: No module named 'driver_only_models'" in message
+    assert "client.upload_file" in message
+    assert any(v == 0 for v in client.run(lambda: 0).values())  # the workers live on
