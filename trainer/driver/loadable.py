@@ -12,11 +12,10 @@ loading error and what to do.
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
-import cloudpickle
 from distributed import Client
+from distributed.protocol.pickle import dumps, loads
 
 from dasktrain.trainer.errors import TrainerError
 
@@ -37,7 +36,7 @@ def _load(payloads: dict[str, bytes]) -> dict[str, str]:
     failed = {}
     for what, payload in payloads.items():
         try:
-            pickle.loads(payload)
+            loads(payload)
         except Exception as exc:  # reported to the driver, which stops the fit
             failed[what] = f"{type(exc).__name__}: {exc}"
     return failed
@@ -47,7 +46,14 @@ def check_loadable(client: Client, parts: dict[str, Any],
                    workers: dict[str, dict[str, Any]]) -> None:
     """Raise :class:`TrainerError` if a worker of ``workers`` (address -> scheduler info)
     cannot load one of ``parts`` (what it is, for the message -> the object)."""
-    payloads = {what: cloudpickle.dumps(obj) for what, obj in parts.items()}
+    payloads = {}
+    for what, obj in parts.items():
+        try:
+            payloads[what] = dumps(obj)  # as Dask sends a task: pickle, else cloudpickle
+        except Exception:  # not picklable here: submitting the task says so, as it did
+            continue
+    if not payloads:
+        return
     size = sum(map(len, payloads.values()))
     targets = sorted(workers)
     if size > _EVERY_WORKER_BYTES:
