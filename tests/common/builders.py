@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -93,15 +94,16 @@ def run_cli_batch(argvs: list[list[str]], timeout: float = 300
             for argv, (code, out, err) in zip(argvs, json.loads(done.stdout), strict=True)]
 
 
-def run_benchmark_quick(name: str, directory: Path, timeout: float
+def run_benchmark_quick(name: str, directory: Path, timeout: float,
+                        arguments: Sequence[str] = ()
                         ) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run ``benchmarks/<name>.py --quick`` for real in a subprocess, as a reader of the
-    README would; returns the finished process (checked to have succeeded) and the ratio
-    rows it wrote."""
+    """Run ``benchmarks/<name>.py --quick`` (and ``arguments``) for real in a subprocess,
+    as a reader of the README would; returns the finished process (checked to have
+    succeeded) and the ratio rows it wrote."""
     out = directory / f"{name}-ratios.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick",
-         "--ratios-json", str(out)],
+         "--ratios-json", str(out), *arguments],
         cwd=REPO, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-5000:]
