@@ -143,8 +143,10 @@ MAKE = {"rows": make_rows, "images": make_images, "text": make_text}
 
 # -- one point, in a process of its own --------------------------------------------------
 def _peak(dask_worker: Any = None) -> dict[str, Any]:
+    from dasktrain.trainer.holder import ParameterHolder
+
     holder = dask_worker is not None and any(
-        hasattr(a, "footprint") for a in list(dask_worker.state.actors.values()))
+        isinstance(a, ParameterHolder) for a in list(dask_worker.state.actors.values()))
     return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "holder": holder}
 

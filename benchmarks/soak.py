@@ -10,8 +10,9 @@ it after the current epoch), on an embedded LocalCluster of 2 processes on 127.0
 After every epoch a callback samples: the epoch's wall time; the resident memory, open file
 descriptors and threads of the driver (which runs the scheduler too) and of each worker
 process; the checkpoint file's size and its run log's; the History's entries (counted,
-not copied); and the parameter holder's :meth:`footprint` (records and events not yet
-reported, waiters, per-epoch and per-worker tables). ``--history-updates N`` runs it with
+not copied); and the parameter holder's footprint
+(:mod:`dasktrain.trainer.holder.footprint`: records and events not yet reported, waiters,
+per-epoch and per-worker tables). ``--history-updates N`` runs it with
 ``Trainer(history_updates=N)``, the History's records bounded.
 
 The report compares, for each series, the median of the first 10 % of the epochs after the
@@ -47,6 +48,8 @@ from distributed import Client, LocalCluster
 import dasktrain as dt
 from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
+from dasktrain.trainer.holder import ParameterHolder
+from dasktrain.trainer.holder.footprint import footprint
 from dasktrain.trainer.holder.records import PER_GRADIENT, PER_UPDATE
 
 QUICK = {"minutes": 0.5, "warmup": 3}
@@ -97,8 +100,8 @@ def _probe(dask_worker: Any) -> dict[str, Any]:
     found = {"rss": process.memory_info().rss, "fds": process.num_fds(),
              "threads": process.num_threads()}
     for actor in list(dask_worker.state.actors.values()):
-        if hasattr(actor, "footprint"):
-            found["holder"] = actor.footprint()
+        if isinstance(actor, ParameterHolder):
+            found["holder"] = footprint(actor)
     return found
 
 
@@ -137,7 +140,9 @@ class Sampler(dt.Callback):
             row[f"holder {key} (count)"] = value
         checkpoint = self.run / "checkpoint"
         logs = list(checkpoint.glob("*-updates.jsonl"))
-        row["checkpoint file (KiB)"] = sum(_size(p) for p in checkpoint.glob("*.pt")) / 1024
+        files = list(checkpoint.glob("*.pt"))
+        if files:  # from the first save on (a loaded machine may make it after an epoch)
+            row["checkpoint file (KiB)"] = sum(_size(p) for p in files) / 1024
         row["run log (KiB)"] = sum(_size(p) for p in logs) / 1024
         row["loggers' files (KiB)"] = (_size(self.run / "metrics.jsonl")
                                        + _size(self.run / "tensorboard")) / 1024

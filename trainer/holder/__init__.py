@@ -9,7 +9,8 @@ the dead and the silent), :mod:`.arithmetic` (the master buffer, the optimizer s
 averaging, the serial section), :mod:`.records` (what each update and gradient leaves in the
 History), :mod:`.balance` (uneven shares of a ``sync`` step),
 :mod:`.divergence` (refusing non-finite gradients, and when that must stop a run),
-:mod:`.waiters` (checkpoints awaited at a version) and :mod:`.shards` (the plan of a holder
+:mod:`.waiters` (checkpoints awaited at a version), :mod:`.footprint` (what it keeps,
+counted, for the soak) and :mod:`.shards` (the plan of a holder
 split over several workers; the views that call the shards are in
 :mod:`dasktrain.trainer.exchange.sharded`). What each mode
 does with a gradient is in :mod:`dasktrain.trainer.modes`; the optimizers it runs are in

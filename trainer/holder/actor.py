@@ -347,36 +347,6 @@ class ParameterHolder:
             await self._state_waiters.serve(self.state_dict)
 
     # -- reports, checkpoints, shutdown ------------------------------------------------
-    def footprint(self) -> dict[str, int]:
-        """Entries in each collection the holder keeps that could grow with a run: records
-        and events not yet reported, waiters, per-epoch and per-worker tables. Each must
-        stay bounded however long a fit runs (``benchmarks/soak.py`` samples them). Counts
-        of a moment, read from any thread."""
-        epochs, claims, host = self._epochs, self._claims, self._host
-        ledger = self._roster.ledger
-        sizes = {
-            "records": len(host.records._columns["staleness"]),
-            "events": len(host.events),
-            "notices": len(self._notices),
-            "claims_unreported": len(claims.claims),
-            "claim_waiters": len(claims._waiters),
-            "epoch_waiters": len(epochs._waiters),
-            "epoch_tasks": len(epochs._tasks),
-            "state_waiters": len(self._state_waiters._waiting),
-            "epoch_reports": sum(len(r) for r in epochs.reports.values()),
-            "epoch_boundaries": len(epochs.boundaries),
-            "epoch_outcomes": len(epochs.outcomes),
-            "epochs_queued": len(epochs.queued),
-            "balance_epochs": len(self._balance.decided),
-            "positions": len(self._roster.positions),
-            "arriving": len(self._intake.arriving),
-            "buffers_leased": len(self._arith._leases),
-            "buffers_spare": len(self._arith._spare),
-        }
-        if ledger is not None:
-            sizes["ledger_runs"] = len(ledger._runs)
-        return sizes
-
     async def progress(self) -> dict[str, Any]:
         """Counters for a progress display; ``records`` and ``events`` since the last call."""
         notices, self._notices = self._notices, []
