@@ -7,14 +7,14 @@ epoch the parameters have moved by exactly one everywhere, or some row was lost 
 twice. In ``average`` a worker's parameters are averaged (a row's count arrives divided),
 so there the samples the holder applied in each epoch are counted instead.
 
-Faults, on a cluster of three worker processes (the holder beside trainer worker 0):
+Faults, on a cluster of three worker processes (the holder beside trainer worker 0 as a rule):
 
-* a trainer worker's process SIGKILLed at a point of its life the test names (see
-  :mod:`dasktrain.trainer.faults`): with a claim of work on its way (``claim``), with a push
-  on its way (``push``), with the push of its last batch of an epoch on its way (``last``:
-  the end of its stride, or the batch that ends the epoch's work), or after it left an
-  epoch and asked for the next (``boundary``). In ``sync`` (ranks own a stride) Dask runs
-  the task again and it joins with a new incarnation; elsewhere the others carry on.
+* a trainer worker's process (never the holder's) SIGKILLed at a point of its life the test
+  names (see :mod:`dasktrain.trainer.faults`): with a claim of work on its way (``claim``),
+  with a push on its way (``push``), with the push of its last batch of an epoch on its way
+  (``last``: the end of its stride, or the batch that ends the epoch's work), or after it
+  left an epoch and asked for the next (``boundary``). In ``sync`` (ranks own a stride) Dask
+  runs the task again and it joins with a new incarnation; elsewhere the others carry on.
 * its Dask worker retired mid-epoch (``retire``: an elastic run), or a Dask worker added
   (``scale``: an elastic run takes it up).
 
@@ -33,7 +33,14 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
-from tests.common.chaos import gated_spread, gated_tally, killed_at, plan_kill, unplan
+from tests.common.chaos import (
+    gated_spread,
+    gated_tally,
+    killed_at,
+    killed_worker,
+    plan_kill,
+    unplan,
+)
 from tests.common.counting import Tally, register_tally
 from tests.common.data import indexed_dataset
 from tests.common.training import alive_workers
@@ -127,16 +134,15 @@ def _fit_through(local: LocalCluster, client: Client, rows: Any, tmp_path: Path,
                  fault: str) -> None:
     """A fit of ``mode`` through ``fault``; every row applied once per epoch."""
     addresses = alive_workers(client, 3)
-    holder = addresses[0]  # trainer worker 0 runs beside it: never the victim
+    holder = addresses[0]  # the worker beside it is never the victim (see tests.common.chaos)
     elastic = fault in ("retire", "scale")
     marker = str(tmp_path / "killed")
-    victim = 1
     gate = str(tmp_path / "gate")
     callbacks: list[dt.Callback] = [EpochTallies()]
-    model, loss = functools.partial(Tally, ROWS), gated_spread
+    model, loss = functools.partial(Tally, ROWS), functools.partial(gated_spread, holder=holder)
     if fault in KILLS:
         point = "push" if fault == "last" else fault
-        client.run(plan_kill, point, marker, victim, 1, **KILLS[fault])
+        client.run(plan_kill, point, marker, (0, 1), 1, holder=holder, **KILLS[fault])
     elif fault == "retire":  # trainer worker 2's Dask worker; the others wait for it to go
         leaving = addresses[2]
 
@@ -145,13 +151,13 @@ def _fit_through(local: LocalCluster, client: Client, rows: Any, tmp_path: Path,
             Path(gate).touch()
 
         callbacks.append(AfterFirstEpoch(retire))
-        loss = functools.partial(gated_spread, gate=gate)
+        loss = functools.partial(gated_spread, gate=gate, holder=holder)
     else:  # a fourth Dask worker: trainer worker 3 joins, the others wait until it does
         # One more worker process: the cluster's own count of its workers still has those
         # an earlier test retired (see _three_workers).
         callbacks.append(AfterFirstEpoch(lambda: local.scale(len(local.worker_spec) + 1)))
         model = functools.partial(gated_tally, ROWS, gate, 3)
-        loss = functools.partial(gated_spread, gate=gate)
+        loss = functools.partial(gated_spread, gate=gate, holder=holder)
     trainer = dt.Trainer(model, loss, register_tally(), mode=mode,
                          workers=(2, 4) if elastic else 2, batch_size=BATCH,
                          holder_worker=holder, progress=False, timeout=60,
@@ -170,6 +176,7 @@ def _fit_through(local: LocalCluster, client: Client, rows: Any, tmp_path: Path,
     events = " | ".join(history.events)
     if fault in KILLS:
         assert killed_at(marker) is not None, events  # the fault happened
+        victim = killed_worker(marker)
         assert any(f"worker {victim} dropped" in e or f"worker {victim}'s earlier task is "
                    "superseded" in e for e in history.events), events
         if mode == "sync":  # its stride is finished by its task, run again
