@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_allocator"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "give_back_freed", "tune_allocator"]
 
 MMAP_THRESHOLD = 32 * 2**20
 TRIM_THRESHOLD = 64 * 2**20
@@ -53,3 +53,20 @@ def tune_allocator() -> bool:
             _done = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and \
                 libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
         return _done
+
+
+def give_back_freed() -> None:
+    """Hand the memory this process freed back to the system: glibc's free pages in every
+    arena (``malloc_trim``) and the unused memory of pyarrow's pool, where pyarrow is loaded.
+
+    A worker preparing a table frees hundreds of MB a task (a Parquet partition read, made a
+    frame, a block, chunks); both allocators keep much of it for reuse, spread over the
+    arenas of the threads that freed it, so without this a worker's resident memory grew
+    with the number of partitions it had read (see ``datasets.build_tasks``).
+    """
+    if "pyarrow" in sys.modules:
+        with contextlib.suppress(Exception):  # a pool without the call: nothing to give
+            sys.modules["pyarrow"].default_memory_pool().release_unused()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # musl has no malloc_trim
+            ctypes.CDLL(None).malloc_trim(0)

@@ -10,7 +10,7 @@ import dask
 import zarr
 from distributed import Client
 
-from dasktrain._malloc import tune_allocator
+from dasktrain._malloc import give_back_freed, tune_allocator
 from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.format import create_sample_array
 from dasktrain.datasets.sources import Source
@@ -23,6 +23,7 @@ __all__ = [
     "plan_tasks",
     "pooled_arrays",
     "run_tasks",
+    "source_task_bytes",
     "task_slots",
 ]
 
@@ -80,6 +81,14 @@ def create_arrays(group: zarr.Group, source: Source, num_samples: int, chunk_row
     }
 
 
+def source_task_bytes(source: Source, chunk_rows: int, chunk_bytes: int) -> int:
+    """Bytes a reading task covers: :data:`TASK_BYTES`, or more where the source decodes
+    pieces larger than that (``task_rows``: a Parquet row group), so that each piece is
+    decoded about once, not once by each of the several tasks it would feed."""
+    rows = getattr(source, "task_rows", 0)
+    return max(TASK_BYTES, -(-rows // max(chunk_rows, 1)) * chunk_bytes)
+
+
 def pooled_arrays(source: Source) -> tuple[str, ...]:
     """The arrays whose statistics are of all their values as one feature (token ids)."""
     return tuple(name for name, spec in source.specs.items() if spec.pooled)
@@ -92,9 +101,14 @@ def task_slots(client: Client) -> int:
 
 def _tuned(task: Any, *args: Any) -> Any:
     """``task(*args)`` in a worker whose allocator thresholds are set (see
-    :mod:`dasktrain._malloc`): chunk-sized buffers are then reused, not mapped afresh."""
+    :mod:`dasktrain._malloc`): chunk-sized buffers are then reused, not mapped afresh. What
+    the task and the reads before it freed goes back to the system after it: kept, it grew
+    a worker's memory with the size of the source (docs/benchmarks.md, W13)."""
     tune_allocator()
-    return task(*args)
+    try:
+        return task(*args)
+    finally:
+        give_back_freed()
 
 
 def run_tasks(client: Client, task: Any, args: list[tuple], blocks: list[list] | None,

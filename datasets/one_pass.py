@@ -15,6 +15,7 @@ from dasktrain.datasets.build_tasks import (
     plan_tasks,
     pooled_arrays,
     run_tasks,
+    source_task_bytes,
     task_slots,
 )
 from dasktrain.datasets.config import PrepareConfig
@@ -38,7 +39,8 @@ def write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockRea
     write = functools.partial(write_rows, out, reader, not src.known_finite,
                               pooled=pooled_arrays(src))
     chunk_bytes = chunk_rows * sum(s.sample_bytes for s in src.specs.values())
-    groups = plan_tasks(len(starts), chunk_bytes, task_slots(client))
+    groups = plan_tasks(len(starts), chunk_bytes, task_slots(client),
+                        source_task_bytes(src, chunk_rows, chunk_bytes))
     results = run_tasks(client, write,
                         [([(starts[i], starts[i] + lengths[i]) for i in group],)
                          for group in groups],

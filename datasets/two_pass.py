@@ -23,6 +23,7 @@ from dasktrain.datasets.build_tasks import (
     plan_tasks,
     pooled_arrays,
     run_tasks,
+    source_task_bytes,
     task_slots,
 )
 from dasktrain.datasets.config import PrepareConfig
@@ -62,7 +63,8 @@ def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     stage = functools.partial(stage_chunks, scratch, 0, fit_names, not src.known_finite, reader)
     chunk_bytes = chunk_rows * sum(s.sample_bytes for s in specs.values())
     parallelism = task_slots(client)
-    groups = plan_tasks(len(starts), chunk_bytes, parallelism)
+    groups = plan_tasks(len(starts), chunk_bytes, parallelism,
+                        source_task_bytes(src, chunk_rows, chunk_bytes))
     args = []
     for group in groups:
         first, last = group[0], group[-1]

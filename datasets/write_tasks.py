@@ -14,7 +14,9 @@ when a build was abandoned must not recreate its directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -67,6 +69,18 @@ def _rows(names: list[str], reader: BlockReader | None, start: int, stop: int,
     return {name: np.asarray(block) for name, block in zip(names, blocks, strict=True)}
 
 
+@contextlib.contextmanager
+def _reading(reader: BlockReader | None) -> Iterator[None]:
+    """A task's reads: a reader that keeps what it decoded for the next chunk (a Parquet
+    row group) lets go of it at the task's end, not when the worker next runs it."""
+    try:
+        yield
+    finally:
+        release = getattr(reader, "release", None)
+        if release is not None:
+            release()
+
+
 def _all_finite(summary: Summary) -> bool:
     # Integer arrays (class counts) cannot hold NaN or infinities.
     return not isinstance(summary, Moments) or summary.finite
@@ -90,15 +104,17 @@ def write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_f
     summarise = getattr(reader, "summaries", None) or (
         lambda rows: {name: summary_of(block, name in pooled) for name, block in rows.items()})
     total: dict[str, Summary] | None = None
-    for k, (start, stop) in enumerate(ranges):
-        _still_wanted(out)  # per chunk: an abandoned build stops within one chunk's time
-        rows = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
-        summaries = summarise(rows)
-        if require_finite and not all(_all_finite(s) for s in summaries.values()):
-            return None
-        _write_together(stored, slice(start, stop), rows)
-        total = summaries if total is None else {
-            name: total[name].merge(summaries[name]) for name in names}
+    with _reading(reader):
+        for k, (start, stop) in enumerate(ranges):
+            _still_wanted(out)  # per chunk: an abandoned build stops within one chunk's time
+            rows = _rows(names, reader, start, stop,
+                         blocks[k * len(names):(k + 1) * len(names)])
+            summaries = summarise(rows)
+            if require_finite and not all(_all_finite(s) for s in summaries.values()):
+                return None
+            _write_together(stored, slice(start, stop), rows)
+            total = summaries if total is None else {
+                name: total[name].merge(summaries[name]) for name in names}
     assert total is not None, "a task writes at least one chunk"
     return total, log.written()
 
@@ -124,23 +140,33 @@ def stage_chunks(scratch: dict[str, zarr.Array], fit_split: int, fit_names: tupl
     ``fit_names``, the moments of the rows normalisation is fitted on."""
     names = list(scratch)
     staged = []
-    for k, (start, stop) in enumerate(ranges):
-        _still_wanted(scratch)
-        named = _rows(names, reader, start, stop, blocks[k * len(names):(k + 1) * len(names)])
-        n = stop - start
-        keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
-        ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
-        rows = np.flatnonzero(keep)
-        rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, order kept
-        grouped = {name: block[rows] for name, block in named.items()}
-        _write_together(scratch, slice(start, start + len(rows)), grouped)
-        counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
-        # The rows of a split are a contiguous run of the grouped rows: a view, no copy.
-        first = int(counts[:fit_split].sum())
-        fit = {name: Moments.of(grouped[name][first : first + int(counts[fit_split])])
-               for name in fit_names}
-        staged.append((counts, fit))
+    with _reading(reader):
+        for k, (start, stop) in enumerate(ranges):
+            _still_wanted(scratch)
+            named = _rows(names, reader, start, stop,
+                          blocks[k * len(names):(k + 1) * len(names)])
+            staged.append(_stage(scratch, fit_split, fit_names, clean, plan, start, stop,
+                                 named))
     return staged
+
+
+def _stage(scratch: dict[str, zarr.Array], fit_split: int, fit_names: tuple[str, ...],
+           clean: bool, plan: SplitPlan | None, start: int, stop: int,
+           named: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, Moments]]:
+    """One chunk of :func:`stage_chunks`: its rows ``start .. stop`` (``named``) staged."""
+    n = stop - start
+    keep = _finite_rows(named) if clean else np.ones(n, dtype=bool)
+    ids = plan.assign(start, stop) if plan is not None else np.zeros(n, dtype=np.int8)
+    rows = np.flatnonzero(keep)
+    rows = rows[np.argsort(ids[rows], kind="stable")]  # grouped by split, order kept
+    grouped = {name: block[rows] for name, block in named.items()}
+    _write_together(scratch, slice(start, start + len(rows)), grouped)
+    counts = np.bincount(ids[rows], minlength=len(plan.names) if plan else 1)
+    # The rows of a split are a contiguous run of the grouped rows: a view, no copy.
+    first = int(counts[:fit_split].sum())
+    fit = {name: Moments.of(grouped[name][first : first + int(counts[fit_split])])
+           for name in fit_names}
+    return counts, fit
 
 
 def write_chunks(out: dict[str, zarr.Array], sources: list[Any], norm: dict[str, tuple],

@@ -1,4 +1,6 @@
-"""CSV and Parquet sources (files or directories of them), read with dask.dataframe."""
+"""CSV and Parquet sources (files or directories of them), read with dask.dataframe, or,
+for Parquet without missing values, by the preparing tasks themselves (see
+:mod:`~dasktrain.datasets.sources.parquet_rows`)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dasktrain.datasets.sources.base import (
     suffix_of,
 )
 from dasktrain.datasets.sources.named import ArrayChoice, resolve_choices
+from dasktrain.datasets.sources.parquet_rows import ParquetRows, parquet_rows
 
 __all__ = ["TabularSource"]
 
@@ -150,6 +153,7 @@ class TabularSource:
         self._path, self._df, self._chosen, self._non_numeric = path, df, chosen, non_numeric
         self._groups = groups
         self.num_samples = -1  # known once to_dask() has counted the complete rows
+        self.task_rows = 0  # rows a reading task decodes at once (see block_reader)
         self.specs = {g.name: _spec(g, df, non_numeric, integers) for g in groups}
         self.provenance = {"kind": "tabular", "path": str(path.resolve()),
                            "encoded": non_numeric,
@@ -220,8 +224,33 @@ class TabularSource:
             first = last
         return out
 
-    def block_reader(self) -> None:
-        return None  # a chunk gathers rows from several partitions: read through to_dask
+    def block_reader(self) -> ParquetRows | None:
+        """Parquet files whose chosen columns hold no missing values, and no categories to
+        encode: each task reads its rows (the count is in the footers). Otherwise None: a
+        chunk gathers rows from several partitions of a frame without its missing rows,
+        read through :meth:`to_dask`."""
+        if self._non_numeric or self._files[0].suffix.lower() == ".csv":
+            return None
+        reader = parquet_rows(self._files, {g.name: (g.sources, self.specs[g.name])
+                                            for g in self._groups})
+        if reader is None:
+            return None
+        self.num_samples = reader.num_rows
+        self.provenance.update(rows_read=reader.num_rows, rows_dropped_missing=0)
+        # A task of fewer rows than a row group decodes the groups it shares once more.
+        self.task_rows = reader.largest_piece
+        self._row_group_bytes = reader.largest_piece * sum(
+            spec.sample_bytes for spec in self.specs.values())
+        return reader
+
+    def memory_hint(self) -> str:
+        """What a preparing worker needs, said when one runs out of memory."""
+        if not self.task_rows:
+            return ("give the workers more memory, or a smaller --chunk-size (chunk_size=): "
+                    "a task holds a few chunks and the partitions of the table they come from")
+        return (f"each thread of a preparing worker holds one decoded row group of the Parquet "
+                f"files (up to {self._row_group_bytes / 2**20:,.0f} MiB here): give the workers "
+                "more memory or fewer threads, or write the files with smaller row groups")
 
 
 def _feature_and_target(path: Path, columns: list[str], options: SourceOptions
