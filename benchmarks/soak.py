@@ -29,6 +29,7 @@ about 40 s, a check that it works, not a soak). ``--keep DIR`` keeps the run dir
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -67,6 +68,9 @@ BY_DESIGN = {
     "loggers' files (KiB)": "one line or event per update (JsonLinesLogger, TensorBoard)",
     "History entries": "each update's record, kept in the driver (History.loss, ...): "
                        "bounded by Trainer(history_updates=N)",
+    "Dask task groups (count)": "the scheduler's span keeps the task groups of every "
+                                "computation (here two of each epoch's validation) for "
+                                "its life (dask/distributed#7977)",
 }
 
 
@@ -111,6 +115,47 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
+def _groups_kept(dask_scheduler: Any) -> int:
+    """The task groups the scheduler's spans hold (each computation's, kept for the
+    scheduler's life: dask/distributed#7977), and those it still tracks otherwise."""
+    spans = dask_scheduler.extensions.get("spans")
+    held = {id(g) for span in (spans.spans.values() if spans is not None else ())
+            for g in span.groups}
+    return len(held | {id(g) for g in dask_scheduler.task_groups.values()})
+
+
+def _given_back(dask_worker: Any = None) -> tuple[int, int]:
+    """This process's resident memory before and after its allocators give back what they
+    keep freed (see dasktrain._malloc): what of a growth was memory held for reuse."""
+    from dasktrain._malloc import give_back_freed
+
+    before = psutil.Process().memory_info().rss
+    give_back_freed()
+    return before, psutil.Process().memory_info().rss
+
+
+class GarbageTime:
+    """Seconds the driver's garbage collector ran (all generations), read and reset."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    def take(self) -> float:
+        taken, self.seconds = self.seconds, 0.0
+        return taken
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._note)
+
+
 class Sampler(dt.Callback):
     """Samples everything that could grow after each epoch; ends the fit at ``until``."""
 
@@ -122,9 +167,13 @@ class Sampler(dt.Callback):
         self.until = until
         self.rows: list[dict[str, float]] = []
         self.driver = psutil.Process()
+        self.garbage = GarbageTime()
 
     def on_epoch_end(self, trainer: Any, record: dict[str, Any]) -> None:
-        row: dict[str, float] = {"epoch": record["epoch"], "epoch wall (s)": record["wall_s"]}
+        row: dict[str, float] = {
+            "epoch": record["epoch"], "epoch wall (s)": record["wall_s"],
+            "driver garbage collection (s)": self.garbage.take(),
+            "Dask task groups (count)": self.client.run_on_scheduler(_groups_kept)}
         memory = self.driver.memory_info().rss
         row |= {"driver RSS (MiB)": memory / 2**20, "driver fds (count)": self.driver.num_fds(),
                 "driver threads (count)": self.driver.num_threads()}
@@ -221,10 +270,15 @@ def run(args: argparse.Namespace, where: Path) -> tuple[list[dict[str, float]], 
                     callbacks=[dt.JsonLinesLogger(run_dir / "metrics.jsonl"),
                                dt.TensorBoardLogger(run_dir / "tensorboard"), sampler])
         seconds = time.monotonic() - started
+        sampler.garbage.close()
+        given = client.run(_given_back)
         kept = ("every update's records" if args.history_updates is None
                 else f"history_updates={args.history_updates}")
         setup = (f"{ROWS:,} rows, async, 2 workers x batch {BATCH}, a checkpoint every "
                  f"{CHECKPOINT_EVERY} updates, {kept}, {os.cpu_count()} CPUs")
+        setup += "; at the end, each worker's memory given back by its allocators: " + \
+            ", ".join(f"{(b - a) / 2**20:.0f} MiB of {b / 2**20:.0f}"
+                      for b, a in given.values())
     return sampler.rows, seconds, setup
 
 

@@ -121,3 +121,13 @@ def test_a_table_larger_than_the_worker_prepares_in_the_memory_of_a_small_one(tm
         assert client.run(os.getpid) == pid_before  # never killed and restarted
     assert len(ds) == 48 * rows and ds.x.nbytes + ds.y.nbytes > 1.25 * limit
     assert large_peak - small_peak < 32 * 2**20, (small_peak / 2**20, large_peak / 2**20)
+
+
+def test_a_column_of_another_type_in_one_file_is_read_as_its_array(client, tmp_path):
+    # f0 of float64 in the first file, float32 in the second: a chunk spans both.
+    first, second = _table(90, 1), _table(70, 2)
+    first["f0"] = first["f0"].astype(np.float64)
+    table = _write(tmp_path / "t", [first, second], 40)
+    ds = _prepare(client, tmp_path / "t", tmp_path / "out.zarr", chunk_rows=64)
+    np.testing.assert_array_equal(
+        ds.x.compute(), table[[f"f{j}" for j in range(WIDTH)]].to_numpy(np.float32))

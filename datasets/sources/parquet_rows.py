@@ -60,6 +60,10 @@ def parquet_rows(files: Sequence[Path], arrays: dict[str, tuple[Sequence[str], A
                                 in arrays.items()}) if pieces else None
 
 
+def _concatenate(pieces: list[np.ndarray]) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
 class ParquetRows:
     """``reader(start, stop)``: the rows ``start .. stop`` of every array, from the row
     groups ``pieces`` (``(file, row group, rows)`` in the table's order).
@@ -98,8 +102,10 @@ class ParquetRows:
             end = min(stop, self.starts[k + 1]) - self.starts[k]
             parts.append(self._piece(k).slice(begin, end - begin))
             k += 1
-        rows = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-        columns = {c: rows.column(c).to_numpy() for c in self.columns}
+        # Column by column: files may differ in a column's type (int64 in one, float64 in
+        # the next), which numpy promotes where concatenating tables would refuse.
+        columns = {c: _concatenate([part.column(c).to_numpy() for part in parts])
+                   for c in self.columns}
         return {name: (np.stack([columns[c] for c in cols], axis=1) if spec.sample_shape
                        else columns[cols[0]]).astype(spec.dtype, copy=False)
                 for name, (cols, spec) in self.arrays.items()}
