@@ -59,10 +59,11 @@ def give_back_freed() -> None:
     """Hand the memory this process freed back to the system: glibc's free pages in every
     arena (``malloc_trim``) and the unused memory of pyarrow's pool, where pyarrow is loaded.
 
-    A worker preparing a table frees hundreds of MB a task (a Parquet partition read, made a
-    frame, a block, chunks); both allocators keep much of it for reuse, spread over the
-    arenas of the threads that freed it, so without this a worker's resident memory grew
-    with the number of partitions it had read (see ``datasets.build_tasks``).
+    For measuring (the soak benchmark asks each worker once, at its end): what a process's
+    resident memory holds beyond what it uses. Not called on a task's path: with it after
+    every preparing task, a worker of the test suite's forked cluster once stopped
+    answering for minutes in a Parquet preparation (not shown to be the cause, but not
+    worth the risk: the Parquet reader, not the trim, is what bounds that memory).
     """
     if "pyarrow" in sys.modules:
         with contextlib.suppress(Exception):  # a pool without the call: nothing to give

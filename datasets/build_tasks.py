@@ -10,7 +10,7 @@ import dask
 import zarr
 from distributed import Client
 
-from dasktrain._malloc import give_back_freed, tune_allocator
+from dasktrain._malloc import tune_allocator
 from dasktrain._progress import gather_with_progress
 from dasktrain.datasets.format import create_sample_array
 from dasktrain.datasets.sources import Source
@@ -101,14 +101,9 @@ def task_slots(client: Client) -> int:
 
 def _tuned(task: Any, *args: Any) -> Any:
     """``task(*args)`` in a worker whose allocator thresholds are set (see
-    :mod:`dasktrain._malloc`): chunk-sized buffers are then reused, not mapped afresh. What
-    the task and the reads before it freed goes back to the system after it: kept, it grew
-    a worker's memory with the size of the source (docs/benchmarks.md, W13)."""
+    :mod:`dasktrain._malloc`): chunk-sized buffers are then reused, not mapped afresh."""
     tune_allocator()
-    try:
-        return task(*args)
-    finally:
-        give_back_freed()
+    return task(*args)
 
 
 def run_tasks(client: Client, task: Any, args: list[tuple], blocks: list[list] | None,
