@@ -116,7 +116,10 @@ class ParquetRows:
             return held[1]
         self._local.held = None  # the previous one goes before the next is read
         file, group, _ = self.pieces[k]
-        table = pq.ParquetFile(file).read_row_group(group, columns=self.columns)
+        # One thread: Dask's threads are the parallelism, and pyarrow's own pool would
+        # oversubscribe them (and is one more pool to outlive a fork).
+        table = pq.ParquetFile(file).read_row_group(group, columns=self.columns,
+                                                    use_threads=False)
         self._local.held = (k, table)
         return table
 
