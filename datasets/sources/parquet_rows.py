@@ -48,7 +48,8 @@ def parquet_rows(files: Sequence[Path], arrays: dict[str, tuple[Sequence[str], A
     """A reader of ``arrays`` (``{name: (its columns, its spec)}``) from ``files``, or None
     where the footers do not show every chosen column free of missing values (the table is
     then read through ``dask.dataframe``, which drops those rows)."""
-    columns = list(dict.fromkeys(c for cols, _ in arrays.values() for c in cols))
+    chosen = {name: (tuple(cols), spec) for name, (cols, spec) in arrays.items()}
+    columns = _columns(chosen)
     pieces: list[tuple[str, int, int]] = []
     for file in files:
         metadata = pq.ParquetFile(file).metadata
@@ -56,8 +57,12 @@ def parquet_rows(files: Sequence[Path], arrays: dict[str, tuple[Sequence[str], A
             return None
         pieces += [(str(file), g, metadata.row_group(g).num_rows)
                    for g in range(metadata.num_row_groups) if metadata.row_group(g).num_rows]
-    return ParquetRows(pieces, {name: (tuple(cols), spec) for name, (cols, spec)
-                                in arrays.items()}) if pieces else None
+    return ParquetRows(pieces, chosen) if pieces else None
+
+
+def _columns(arrays: dict[str, tuple[tuple[str, ...], ArraySpec]]) -> list[str]:
+    """The columns ``arrays`` read, each once, in order."""
+    return list(dict.fromkeys(c for cols, _ in arrays.values() for c in cols))
 
 
 def _concatenate(pieces: list[np.ndarray]) -> np.ndarray:
@@ -80,7 +85,7 @@ class ParquetRows:
                  arrays: dict[str, tuple[tuple[str, ...], ArraySpec]]) -> None:
         self.pieces = pieces
         self.arrays = arrays
-        self.columns = list(dict.fromkeys(c for cols, _ in arrays.values() for c in cols))
+        self.columns = _columns(arrays)
         self.starts = np.cumsum([0, *(rows for _, _, rows in pieces)]).tolist()
         self._local = threading.local()
 

@@ -239,8 +239,6 @@ class TabularSource:
         self.provenance.update(rows_read=reader.num_rows, rows_dropped_missing=0)
         # A task of fewer rows than a row group decodes the groups it shares once more.
         self.task_rows = reader.largest_piece
-        self._row_group_bytes = reader.largest_piece * sum(
-            spec.sample_bytes for spec in self.specs.values())
         return reader
 
     def memory_hint(self) -> str:
@@ -248,8 +246,9 @@ class TabularSource:
         if not self.task_rows:
             return ("give the workers more memory, or a smaller --chunk-size (chunk_size=): "
                     "a task holds a few chunks and the partitions of the table they come from")
+        row_group = self.task_rows * sum(spec.sample_bytes for spec in self.specs.values())
         return (f"each thread of a preparing worker holds one decoded row group of the Parquet "
-                f"files (up to {self._row_group_bytes / 2**20:,.0f} MiB here): give the workers "
+                f"files (up to {row_group / 2**20:,.0f} MiB here): give the workers "
                 "more memory or fewer threads, or write the files with smaller row groups")
 
 
