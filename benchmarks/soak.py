@@ -101,8 +101,9 @@ def _probe(dask_worker: Any) -> dict[str, Any]:
     """One worker process's memory, descriptors and threads, and the holder's footprint
     where it lives."""
     process = psutil.Process()
+    # Dask's own per-worker totals of its task metrics, keyed by span among others.
     found = {"rss": process.memory_info().rss, "fds": process.num_fds(),
-             "threads": process.num_threads()}
+             "threads": process.num_threads(), "metrics": len(dask_worker.digests_total)}
     for actor in list(dask_worker.state.actors.values()):
         if isinstance(actor, ParameterHolder):
             found["holder"] = footprint(actor)
@@ -115,13 +116,14 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
-def _groups_kept(dask_scheduler: Any) -> int:
+def _groups_kept(dask_scheduler: Any) -> tuple[int, int]:
     """The task groups the scheduler's spans hold (each computation's, kept for the
-    scheduler's life: dask/distributed#7977), and those it still tracks otherwise."""
+    scheduler's life: dask/distributed#7977), and those it still tracks otherwise; and
+    the spans it keeps."""
     spans = dask_scheduler.extensions.get("spans")
-    held = {id(g) for span in (spans.spans.values() if spans is not None else ())
-            for g in span.groups}
-    return len(held | {id(g) for g in dask_scheduler.task_groups.values()})
+    kept = list(spans.spans.values()) if spans is not None else []
+    held = {id(g) for span in kept for g in span.groups}
+    return len(held | {id(g) for g in dask_scheduler.task_groups.values()}), len(kept)
 
 
 def _given_back(dask_worker: Any = None) -> tuple[int, int]:
@@ -170,10 +172,11 @@ class Sampler(dt.Callback):
         self.garbage = GarbageTime()
 
     def on_epoch_end(self, trainer: Any, record: dict[str, Any]) -> None:
+        groups, spans = self.client.run_on_scheduler(_groups_kept)
         row: dict[str, float] = {
             "epoch": record["epoch"], "epoch wall (s)": record["wall_s"],
             "driver garbage collection (s)": self.garbage.take(),
-            "Dask task groups (count)": self.client.run_on_scheduler(_groups_kept)}
+            "Dask task groups (count)": groups, "Dask spans (count)": spans}
         memory = self.driver.memory_info().rss
         row |= {"driver RSS (MiB)": memory / 2**20, "driver fds (count)": self.driver.num_fds(),
                 "driver threads (count)": self.driver.num_threads()}
@@ -184,7 +187,8 @@ class Sampler(dt.Callback):
             holder |= found.get("holder", {})
             row |= {f"{name} RSS (MiB)": found["rss"] / 2**20,
                     f"{name} fds (count)": found["fds"],
-                    f"{name} threads (count)": found["threads"]}
+                    f"{name} threads (count)": found["threads"],
+                    f"{name} Dask metrics (count)": found["metrics"]}
         for key, value in holder.items():
             row[f"holder {key} (count)"] = value
         checkpoint = self.run / "checkpoint"

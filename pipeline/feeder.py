@@ -20,6 +20,7 @@ Who owns what, and when:
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import logging
 import queue
 import threading
@@ -82,7 +83,11 @@ class Feeder:
         self._stop = threading.Event()  # the consumer reads no more
         self._finishing = threading.Event()  # the consumer used up the whole epoch
         self._done: concurrent.futures.Future[HeadStart | None] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, name="dasktrain-feeder", daemon=True)
+        # Run in the creator's context: the tasks it submits carry the creator's Dask
+        # annotations (a fit's span, a user's own), as tasks submitted in place would.
+        self._thread = threading.Thread(target=contextvars.copy_context().run,
+                                        args=(self._run,), name="dasktrain-feeder",
+                                        daemon=True)
 
     def start(self) -> None:
         self._thread.start()

@@ -434,3 +434,28 @@ def test_evaluate_and_predict_send_the_model_alone_and_leave_it_as_it_was(client
     trainer.predict(regression, client=client).compute()
     assert model.training  # predict's eval() was on its copy
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _as_read(arrays, rng):
+    return arrays  # a transform: the pipeline's reads become Dask tasks
+
+
+def _spans(dask_scheduler) -> dict[str, tuple[tuple[str, ...], list[str]]]:
+    return {span.id: (span.name, sorted(g.name for g in span.groups))
+            for span in dask_scheduler.extensions["spans"].spans.values()}
+
+
+def test_a_fits_tasks_are_in_one_dask_span_of_its_own(client, regression):
+    # Each task submitted outside a span made the scheduler walk the default span's task
+    # groups, which grew by an epoch's validation every epoch: a long fit's epochs slowed
+    # (W14). The pipeline's tasks are submitted from a thread of their own: they too.
+    before = client.run_on_scheduler(_spans)
+    read_by_tasks = dt.Pipeline(regression, batch_size=16, transform=_as_read)
+    _trainer("async", 2, 16, dt.optim.sgd(0.05)).fit(read_by_tasks, epochs=2, client=client,
+                                                      validation=regression)
+    opened = {k: v for k, v in client.run_on_scheduler(_spans).items() if k not in before}
+    assert [name for name, _ in opened.values()] == [("dasktrain-fit",)], opened
+    (groups,) = [groups for _, groups in opened.values()]
+    # (The holder's group may be an earlier fit's, still known to the scheduler: Dask
+    # keeps a task group in the span it first had.)
+    assert {"dasktrain-trainer", "dasktrain-batches", "evaluate_block"} <= set(groups), groups

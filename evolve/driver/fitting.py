@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from distributed import Client
+from distributed import Client, span
 from distributed.protocol import pickle
 
 from dasktrain._cluster import cluster_client, worker_info
@@ -156,7 +156,8 @@ def fit_evolver(host: EvolveHost, data: Dataset | Pipeline | str | os.PathLike |
     started = time.perf_counter() - history.wall_time
     try:
         if start < generations:
-            with cluster_client(client) as c:
+            # One Dask span for the run's tasks (see dasktrain.trainer.driver.fitting).
+            with cluster_client(client) as c, span("dasktrain-evolve"):
                 state = _run(host, c, spec, algorithm, state, start, generations, history,
                              fitness, settings, checkpoint, storage_options, callbacks, bar,
                              started)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from distributed import Client
+from distributed import Client, span
 
 from dasktrain._cluster import cluster_client
 from dasktrain._durable import StorageOptions, check_storage_options
@@ -160,7 +160,10 @@ def fit_trainer(trainer: FitHost, data: Dataset | Pipeline | str | os.PathLike, 
     bar = _progress_bar(trainer, total_steps, initial=history.updates)
     started = time.perf_counter() - history.wall_time
     try:
-        with cluster_client(client) as c:
+        # One Dask span for the fit's tasks: without it each computation between idle
+        # moments opens a span the scheduler keeps, and every submission outside a span
+        # walks the default span's task groups, a walk that grows with the fit.
+        with cluster_client(client) as c, span("dasktrain-fit"):
             run = FitRun(c, holder_config, worker_config,
                          holder_worker=trainer.holder_worker, timeout=trainer.timeout,
                          shards=trainer.holder_shards,
