@@ -24,6 +24,7 @@ __all__ = [
     "pooled_arrays",
     "run_tasks",
     "source_task_bytes",
+    "task_reader",
     "task_slots",
 ]
 
@@ -87,6 +88,17 @@ def source_task_bytes(source: Source, chunk_rows: int, chunk_bytes: int) -> int:
     decoded about once, not once by each of the several tasks it would feed."""
     rows = getattr(source, "task_rows", 0)
     return max(TASK_BYTES, -(-rows // max(chunk_rows, 1)) * chunk_bytes)
+
+
+def task_reader(reader: BlockReader | None, ranges: list[tuple[int, int]]
+                ) -> BlockReader | None:
+    """The reader a task carries for its chunks' rows (``ranges``, consecutive): where the
+    source can narrow it (``for_rows``), one that holds what those rows need only; a
+    folder's reader would otherwise carry every file's name into every task."""
+    narrow = getattr(reader, "for_rows", None)
+    if narrow is None or not ranges:
+        return reader
+    return narrow(ranges[0][0], ranges[-1][1])
 
 
 def pooled_arrays(source: Source) -> tuple[str, ...]:

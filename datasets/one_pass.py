@@ -16,6 +16,7 @@ from dasktrain.datasets.build_tasks import (
     pooled_arrays,
     run_tasks,
     source_task_bytes,
+    task_reader,
     task_slots,
 )
 from dasktrain.datasets.config import PrepareConfig
@@ -34,16 +35,17 @@ def write_direct(client: Client, src: Source, root: zarr.Group, reader: BlockRea
     """One pass: source chunk i becomes output chunk i. A source that may hold NaN/inf is
     checked chunk by chunk; if any chunk does, the arrays are dropped and None returned."""
     out = create_arrays(root, src, src.num_samples, chunk_rows, config.compression)
-    # Bound once, in a partial: dask would otherwise walk the arrays and the reader in the
-    # arguments of every task, looking for collections (milliseconds per task).
-    write = functools.partial(write_rows, out, reader, not src.known_finite,
+    # The arrays bound once, in a partial: dask would otherwise walk them in the arguments
+    # of every task, looking for collections (milliseconds per task). The reader goes with
+    # each task: what it carries may be its rows' share only (task_reader).
+    write = functools.partial(write_rows, out, not src.known_finite,
                               pooled=pooled_arrays(src))
     chunk_bytes = chunk_rows * sum(s.sample_bytes for s in src.specs.values())
     groups = plan_tasks(len(starts), chunk_bytes, task_slots(client),
                         source_task_bytes(src, chunk_rows, chunk_bytes))
+    ranges = [[(starts[i], starts[i] + lengths[i]) for i in group] for group in groups]
     results = run_tasks(client, write,
-                        [([(starts[i], starts[i] + lengths[i]) for i in group],)
-                         for group in groups],
+                        [(task_reader(reader, r), r) for r in ranges],
                         group_blocks(reader, blocks, groups), "writing", progress)
     if all(r is not None for r in results):
         return results

@@ -24,6 +24,7 @@ from dasktrain.datasets.build_tasks import (
     pooled_arrays,
     run_tasks,
     source_task_bytes,
+    task_reader,
     task_slots,
 )
 from dasktrain.datasets.config import PrepareConfig
@@ -60,7 +61,7 @@ def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     # values, for an embedding or a transform to use.
     fit_names = tuple(n for n in names if specs[n].role == "features"
                       and specs[n].dtype.kind == "f") if config.normalize else ()
-    stage = functools.partial(stage_chunks, scratch, 0, fit_names, not src.known_finite, reader)
+    stage = functools.partial(stage_chunks, scratch, 0, fit_names, not src.known_finite)
     chunk_bytes = chunk_rows * sum(s.sample_bytes for s in specs.values())
     parallelism = task_slots(client)
     groups = plan_tasks(len(starts), chunk_bytes, parallelism,
@@ -68,7 +69,8 @@ def write_staged(client: Client, source: str, src: Source, root: zarr.Group,
     args = []
     for group in groups:
         first, last = group[0], group[-1]
-        args.append(([(starts[i], starts[i] + lengths[i]) for i in group],
+        ranges = [(starts[i], starts[i] + lengths[i]) for i in group]
+        args.append((task_reader(reader, ranges), ranges,
                      plan.slice_for(starts[first], starts[last] + lengths[last]) if plan
                      else None))
     staged = [chunk for task in run_tasks(client, stage, args,

@@ -86,7 +86,7 @@ def _all_finite(summary: Summary) -> bool:
     return not isinstance(summary, Moments) or summary.finite
 
 
-def write_rows(out: dict[str, zarr.Array], reader: BlockReader | None, require_finite: bool,
+def write_rows(out: dict[str, zarr.Array], require_finite: bool, reader: BlockReader | None,
                 ranges: list[tuple[int, int]], *blocks: np.ndarray, pooled: tuple[str, ...] = ()
                 ) -> tuple[dict[str, Summary], Written] | None:
     """One pass: write the source's rows as they are, chunk by chunk (``ranges``, with the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import pickle
 from pathlib import Path
 
 import dask
@@ -18,7 +19,9 @@ from distributed import Client, LocalCluster
 from PIL import Image
 
 import dasktrain as dt
+from dasktrain.datasets.build_tasks import task_reader
 from dasktrain.datasets.cleaning import CleaningWarning
+from dasktrain.datasets.sources.base import SourceOptions
 from dasktrain.datasets.sources.image_sizes import ImageSizeWarning
 from dasktrain.datasets.sources.images import ImageSource
 from dasktrain.pipeline.images import (
@@ -479,3 +482,35 @@ def test_the_benchmark_runs_quick_and_writes_its_rows(tmp_path):
     assert [r["goal"] for r in rows] == ["≥ 2x DataLoader", "≤ 2 % stall", "≥ 1.0x DataLoader",
                                          "—"]
     assert all(r["ratio"] is None or r["ratio"] > 0 for r in rows)
+
+
+def _manifest_of(folder: tuple[Path, list[Path]], rows: int, path: Path) -> Path:
+    """A manifest of ``rows`` rows naming the folder's files over and over."""
+    _, files = folder
+    names = [str(f) for f in itertools.islice(itertools.cycle(files), rows)]
+    pd.DataFrame({"file": names, "label": [Path(n).parent.name for n in names]}).to_csv(
+        path, index=False)
+    return path
+
+
+def test_a_preparing_task_carries_its_own_rows_files_not_the_whole_list(folder, tmp_path):
+    # A worker held every file's name (125 MiB for a million) and every task carried the
+    # whole list compressed: what a task carries may not grow with the source.
+    carried, whole_list = {}, {}
+    for rows in (2_000, 40_000):
+        source = ImageSource(str(_manifest_of(folder, rows, tmp_path / f"{rows}.csv")),
+                             SourceOptions(image_storage="encoded"))
+        reader = source.block_reader()
+        task = task_reader(reader, [(1_024, 1_536), (1_536, 2_000)])
+        carried[rows] = len(pickle.dumps(task))
+        whole = pickle.dumps(reader.for_rows(0, rows))
+        whole_list[rows] = len(whole)
+        # The task's reader reads its rows as the whole list's does, and no others.
+        mine, theirs = task(1_536, 2_000), pickle.loads(whole)(1_536, 2_000)
+        assert set(mine) == {"image", "label"}
+        assert [bytes(b) for b in mine["image"]] == [bytes(b) for b in theirs["image"]]
+        np.testing.assert_array_equal(mine["label"], theirs["label"])
+        with pytest.raises(ValueError, match="outside"):
+            pickle.loads(pickle.dumps(task))(512, 1_024)
+    assert carried[40_000] <= carried[2_000] * 1.1, carried
+    assert carried[40_000] < whole_list[40_000] / 10, (carried, whole_list)

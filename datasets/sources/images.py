@@ -52,7 +52,6 @@ from dasktrain.datasets.image_codec import (
 from dasktrain.datasets.sizes import human_bytes
 from dasktrain.datasets.sources.base import (
     ArraySpec,
-    BlockReader,
     SourceOptions,
     register_layout,
     register_options,
@@ -96,20 +95,60 @@ def _file_size(file: str) -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _ImageRows:
-    """Rows ``[start, stop)`` of an image source, read and (decoded storage) decoded in the
-    task that writes them."""
+    """Rows of an image source, read and (decoded storage) decoded in the task that writes
+    them.
 
-    files: FileList
+    The client's reader (:meth:`ImageSource.block_reader`) holds the whole list; each task
+    carries :meth:`for_rows`'s, which holds its own files' names only: a million names
+    unpacked take ~125 MiB, which every worker would otherwise hold, and every task's
+    arguments would carry the whole list compressed (~3 MB).
+    """
+
     storage: str
     size: tuple[int, int] | None
     fit: str
     label_dtype: np.dtype | None
     checked: bool
     """Every file was checked already (``skip_bad``): an encoded row is stored as read."""
+    files: FileList | None = None
+    """The files from row ``first`` on, as they travel; None in the client's reader."""
+    first: int = 0
+    source: tuple[list[str], np.ndarray | None] | None = None
+    """The whole list (files, labels), in the client's reader; never pickled."""
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, f.name) if f.name != "source" else None
+                     for f in dataclasses.fields(self))
+
+    def __setstate__(self, state: tuple) -> None:
+        for f, value in zip(dataclasses.fields(self), state, strict=True):
+            object.__setattr__(self, f.name, value)
+
+    def for_rows(self, start: int, stop: int) -> _ImageRows:
+        """The reader of rows ``[start, stop)``, holding those rows' files only."""
+        files, labels = self._rows_held()
+        start, stop = self._local(start, stop, len(files))
+        part = FileList.pack(files[start:stop], None if labels is None else labels[start:stop])
+        return dataclasses.replace(self, files=part, first=self.first + start, source=None)
+
+    def _rows_held(self) -> tuple[list[str], np.ndarray | None]:
+        if self.source is not None:
+            return self.source
+        if self.files is None:
+            raise RuntimeError("an image reader travelled without its files: give a task "
+                               "for_rows()'s reader")
+        return self.files.unpack()
+
+    def _local(self, start: int, stop: int, held: int) -> tuple[int, int]:
+        if not self.first <= start <= stop <= self.first + held:
+            raise ValueError(f"rows {start}..{stop} are outside this reader's "
+                             f"{self.first}..{self.first + held}")
+        return start - self.first, stop - self.first
 
     def __call__(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        files, labels = self.files.unpack()
-        chunk = files[start:stop]
+        files, labels = self._rows_held()
+        rows = self._local(start, stop, len(files))
+        chunk = files[rows[0]:rows[1]]
         if self.storage == "decoded":
             assert self.size is not None, "decoded storage has a size"
             images: np.ndarray = np.empty((len(chunk), 3, *self.size), np.uint8)
@@ -131,7 +170,7 @@ class _ImageRows:
                 raise ImageError(f"{exc}; {_SKIP_HINT}") from None
         out = {"image": images}
         if labels is not None and self.label_dtype is not None:
-            out["label"] = labels[start:stop].astype(self.label_dtype)
+            out["label"] = labels[rows[0]:rows[1]].astype(self.label_dtype)
         return out
 
 
@@ -296,7 +335,10 @@ class ImageSource:
     def to_dask(self, chunk_rows: int) -> dict[str, da.Array]:
         n = self.num_samples
         chunks = chunk_lengths(n, chunk_rows)
-        reader = self.block_reader()
+        # Every block's task reads from the whole list: packed once (a million names in
+        # a second or two), unpacked once per worker process.
+        reader = self.block_reader().for_rows(0, n)
+        assert reader.files is not None
         return {
             name: da.map_blocks(
                 _block, reader, name, dtype=spec.dtype,
@@ -309,13 +351,13 @@ class ImageSource:
             for name, spec in self.specs.items()
         }
 
-    def block_reader(self) -> BlockReader:
-        # Made once (packing a million names takes a second or two), after scan().
+    def block_reader(self) -> _ImageRows:
+        # Made once, after scan(); each task carries its own rows' part (for_rows).
         if self._reader is None:
             label = self.specs.get("label")
-            self._reader = _ImageRows(FileList.pack(self._files, self._labels),
-                                      self._storage, self._size, self._fit,
-                                      None if label is None else label.dtype, self._checked)
+            self._reader = _ImageRows(self._storage, self._size, self._fit,
+                                      None if label is None else label.dtype, self._checked,
+                                      source=(self._files, self._labels))
         return self._reader
 
     @property
