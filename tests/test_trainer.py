@@ -459,3 +459,22 @@ def test_a_fits_tasks_are_in_one_dask_span_of_its_own(client, regression):
     # (The holder's group may be an earlier fit's, still known to the scheduler: Dask
     # keeps a task group in the span it first had.)
     assert {"dasktrain-trainer", "dasktrain-batches", "evaluate_block"} <= set(groups), groups
+    # A trainer task runs the whole fit: Dask would keep every exchange's metering (its
+    # serializing, compressing...) in a list until the task ends, a list that grew by
+    # ~16 KB an epoch. Its time is metered as the task's own, nothing finer.
+    client.run(_heartbeat)  # the workers' metrics of the finished tasks, sent now
+    (span_id,) = opened
+    metered = client.run_on_scheduler(_trainer_activities, span_id)
+    assert "thread-cpu" in metered, metered  # the task's metrics have come in
+    assert not metered & {"serialize", "compress", "decompress", "deserialize"}, metered
+
+
+async def _heartbeat(dask_worker) -> None:
+    await dask_worker.heartbeat()
+
+
+def _trainer_activities(span_id: str, dask_scheduler=None) -> set[str]:
+    """What Dask metered inside the fit's trainer tasks, by activity."""
+    span = dask_scheduler.extensions["spans"].spans[span_id]
+    return {key[2] for key in span.cumulative_worker_metrics
+            if key[0] == "execute" and key[1] == "dasktrain-trainer"}
