@@ -269,13 +269,17 @@ def point(kind: str, size: float, source: Path, args: argparse.Namespace) -> dic
         ds = dt.prepare(str(source), out, **options)
         found["prepare_s"] = time.perf_counter() - started
         found["prepare_peaks"] = [p["peak"] for p in client.run(_peak).values()]
+        # The driver's own peak so far, phase by phase: which of them sets it.
+        found["driver_peaks"] = {"prepare": _peak()["peak"]}
         started = time.perf_counter()
         report = dt.verify(out, client=client, progress=False)
         found["verify_s"] = time.perf_counter() - started
         assert report.ok, report
+        found["driver_peaks"]["verify"] = _peak()["peak"]
         found["samples"] = len(ds)
         found["plan_s"], found["plan_mib"] = _plan(ds, args.batch if kind == "rows" else 128,
                                                    _transform(kind))
+        found["driver_peaks"]["plan"] = _peak()["peak"]
         client.restart()  # fresh worker processes: their peaks are the epoch's
         spotter = HolderSpotter(client)
         started = time.perf_counter()
