@@ -22,9 +22,9 @@ untimed, into ``--dir`` (a scratch folder removed at the end unless ``--keep``):
 
 Per point: the time of each step, the first batch's wait (the longest over the trainer
 workers), and the peak resident memory of the driver (which runs the scheduler too), of the
-holder's worker and of the other worker: the operating system's own peak (``ru_maxrss``)
-of each process, the workers restarted after preparing so that their peaks are the
-epoch's.
+holder's worker and of the other worker: the operating system's own peak of each process
+(``VmHWM``; not ``ru_maxrss``, which carries the peak of the process that started it),
+the workers restarted after preparing so that their peaks are the epoch's.
 
 The report, per kind: time per unit of data at each size after the fixed start cost (a
 least-squares line through the points: the intercept is the fixed cost, reported apart),
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -143,12 +142,13 @@ MAKE = {"rows": make_rows, "images": make_images, "text": make_text}
 
 # -- one point, in a process of its own --------------------------------------------------
 def _peak(dask_worker: Any = None) -> dict[str, Any]:
+    from dasktrain._memory import peak_resident
     from dasktrain.trainer.holder import ParameterHolder
 
     holder = dask_worker is not None and any(
         isinstance(a, ParameterHolder) for a in list(dask_worker.state.actors.values()))
-    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "holder": holder}
+    return {"peak": peak_resident(), "holder": holder}
+
 
 
 class HolderSpotter:

@@ -100,9 +100,9 @@ def test_killed_worker_during_prepare_still_gives_a_complete_dataset(tmp_path):
 
 
 def _peak_rss() -> int:
-    import resource
+    from dasktrain._memory import peak_resident
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_resident()
 
 
 @pytest.mark.slow

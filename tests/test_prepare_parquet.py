@@ -85,16 +85,16 @@ def test_missing_values_are_still_dropped_and_nan_counted_as_non_finite(client, 
 
 
 def _peak_rss() -> int:
-    import resource
+    from dasktrain._memory import peak_resident
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_resident()
 
 
 @pytest.mark.timeout(300)
 def test_a_table_larger_than_the_worker_prepares_in_the_memory_of_a_small_one(tmp_path):
     """One worker of 2 threads limited to 800 MiB prepares 64 files of 17 MB of Parquet
-    (1.3x its limit) within the goal's 100 MB of its peak for 8 of them (~450 MiB, its
-    modules ~185 of it; it rose 42-54 MiB, memory the allocators keep for reuse): read
+    (1.3x its limit) within the goal's 100 MB of its peak for 8 of them (~440 MiB, its
+    modules ~185 of it; it rose ~75 MiB, its own peak, VmHWM): read
     through a frame, the chunks waiting for their writing task raised a worker's peak with
     the table (1.6 GB at 100 M rows), and paused this worker on the 8 files already."""
     rows, width = 250_000, 16
