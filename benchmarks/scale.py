@@ -150,7 +150,6 @@ def _peak(dask_worker: Any = None) -> dict[str, Any]:
     return {"peak": peak_resident(), "holder": holder}
 
 
-
 class HolderSpotter:
     """Notes which worker holds the parameter holder while a fit runs (the workers' peaks
     are read after the fit, when the holder is gone)."""

@@ -116,7 +116,7 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
-def _groups_kept(dask_scheduler: Any) -> tuple[int, int]:
+def _scheduler_kept(dask_scheduler: Any) -> tuple[int, int]:
     """The task groups the scheduler's spans hold (each computation's, kept for the
     scheduler's life: dask/distributed#7977), and those it still tracks otherwise; and
     the spans it keeps."""
@@ -172,7 +172,7 @@ class Sampler(dt.Callback):
         self.garbage = GarbageTime()
 
     def on_epoch_end(self, trainer: Any, record: dict[str, Any]) -> None:
-        groups, spans = self.client.run_on_scheduler(_groups_kept)
+        groups, spans = self.client.run_on_scheduler(_scheduler_kept)
         row: dict[str, float] = {
             "epoch": record["epoch"], "epoch wall (s)": record["wall_s"],
             "driver garbage collection (s)": self.garbage.take(),

@@ -96,7 +96,7 @@ def task_reader(reader: BlockReader | None, ranges: list[tuple[int, int]]
     source can narrow it (``for_rows``), one that holds what those rows need only; a
     folder's reader would otherwise carry every file's name into every task."""
     narrow = getattr(reader, "for_rows", None)
-    if narrow is None or not ranges:
+    if narrow is None:
         return reader
     return narrow(ranges[0][0], ranges[-1][1])
 

@@ -17,6 +17,7 @@ from distributed import Client, LocalCluster
 import dasktrain as dt
 from dasktrain import _stop
 from dasktrain._cluster import worker_info
+from dasktrain._memory import peak_resident
 from tests.common.builders import wait_for
 
 
@@ -99,12 +100,6 @@ def test_killed_worker_during_prepare_still_gives_a_complete_dataset(tmp_path):
                                   expected.to_dask(40_000)["x"][sample].compute())
 
 
-def _peak_rss() -> int:
-    from dasktrain._memory import peak_resident
-
-    return peak_resident()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)  # ~35 s alone; beside the suite's other process on 2 cores, more
 def test_dataset_several_times_worker_memory_prepares_in_bounded_memory(tmp_path):
@@ -127,9 +122,9 @@ def test_dataset_several_times_worker_memory_prepares_in_bounded_memory(tmp_path
         options = {"client": client, "progress": False, "width": 32,
                    "split": "train=0.9,val=0.1"}
         dt.prepare("regression", tmp_path / "small.zarr", samples=2_425_000, **options)
-        (small_peak,) = client.run(_peak_rss).values()
+        (small_peak,) = client.run(peak_resident).values()
         ds = dt.prepare("regression", tmp_path / "m.zarr", samples=9_700_000, **options)
-        (big_peak,) = client.run(_peak_rss).values()
+        (big_peak,) = client.run(peak_resident).values()
         assert client.run(os.getpid) == pid_before  # never killed and restarted
     size = ds.x.nbytes + ds.y.nbytes
     assert size > 3 * limit

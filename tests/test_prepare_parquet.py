@@ -16,6 +16,7 @@ import pytest
 from distributed import Client, LocalCluster, get_task_stream
 
 import dasktrain as dt
+from dasktrain._memory import peak_resident
 
 WIDTH = 6
 
@@ -84,12 +85,6 @@ def test_missing_values_are_still_dropped_and_nan_counted_as_non_finite(client, 
     np.testing.assert_array_equal(ds.y.compute(), nulls["label"].iloc[1:299].to_numpy())
 
 
-def _peak_rss() -> int:
-    from dasktrain._memory import peak_resident
-
-    return peak_resident()
-
-
 @pytest.mark.timeout(300)
 def test_a_table_larger_than_the_worker_prepares_in_the_memory_of_a_small_one(tmp_path):
     """One worker of 2 threads limited to 800 MiB prepares 64 files of 17 MB of Parquet
@@ -115,10 +110,10 @@ def test_a_table_larger_than_the_worker_prepares_in_the_memory_of_a_small_one(tm
         pid_before = client.run(os.getpid)
         dt.prepare(tmp_path / "small", tmp_path / "small.zarr", client=client,
                    progress=False, target="label")
-        (small_peak,) = client.run(_peak_rss).values()
+        (small_peak,) = client.run(peak_resident).values()
         ds = dt.prepare(tmp_path / "large", tmp_path / "large.zarr", client=client,
                         progress=False, target="label")
-        (large_peak,) = client.run(_peak_rss).values()
+        (large_peak,) = client.run(peak_resident).values()
         assert client.run(os.getpid) == pid_before  # never killed and restarted
     assert len(ds) == 64 * rows and ds.x.nbytes + ds.y.nbytes > 1.25 * limit
     assert large_peak - small_peak < 96 * 2**20, (small_peak / 2**20, large_peak / 2**20)
