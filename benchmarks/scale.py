@@ -249,14 +249,17 @@ def point(kind: str, size: float, source: Path, args: argparse.Namespace) -> dic
     from distributed import Client, LocalCluster
 
     import dasktrain as dt
-    from dasktrain._cluster import NO_DASHBOARD
+    from dasktrain._cluster import NO_DASHBOARD, worker_malloc_settings
 
     out = source.parent / f"{source.name}.zarr"
     shutil.rmtree(out, ignore_errors=True)
     found: dict[str, Any] = {"kind": kind, "size": size}
-    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
-                      memory_limit=args.memory_limit, **NO_DASHBOARD) as cluster, \
-            Client(cluster) as client:
+    # The embedded cluster's worker environment (its allocator settings), as a user of the
+    # default gets it; the nannies read it as they are made.
+    with worker_malloc_settings():
+        cluster = LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
+                               host="127.0.0.1", memory_limit=args.memory_limit, **NO_DASHBOARD)
+    with cluster, Client(cluster) as client:
         options: dict[str, Any] = {"client": client, "progress": False}
         if kind == "rows":
             options["target"] = "label"

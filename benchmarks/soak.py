@@ -47,7 +47,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dasktrain as dt
-from dasktrain._cluster import NO_DASHBOARD
+from dasktrain._cluster import NO_DASHBOARD, worker_malloc_settings
 from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 from dasktrain.trainer.holder import ParameterHolder
 from dasktrain.trainer.holder.footprint import footprint
@@ -257,8 +257,12 @@ def report(rows: list[dict[str, float]], summary: list[dict[str, Any]], seconds:
 
 
 def run(args: argparse.Namespace, where: Path) -> tuple[list[dict[str, float]], float, str]:
-    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
-                      **NO_DASHBOARD) as cluster, Client(cluster) as client:
+    # The embedded cluster's worker environment (its allocator settings), as a user of the
+    # default gets it; the nannies read it as they are made.
+    with worker_malloc_settings():
+        cluster = LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
+                               host="127.0.0.1", **NO_DASHBOARD)
+    with cluster, Client(cluster) as client:
         data = dt.prepare("regression", where / "data.zarr", client=client, progress=False,
                           samples=ROWS, width=16, split="train=0.9,val=0.1")
         run_dir = where / "run"

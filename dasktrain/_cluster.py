@@ -28,7 +28,7 @@ import dask.config
 from distributed import Client, LocalCluster, default_client
 
 from dasktrain import _embedded_worker
-from dasktrain._malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
+from dasktrain._malloc import ARENA_MAX, MMAP_THRESHOLD, TRIM_THRESHOLD
 from dasktrain.errors import DasktrainError
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "get_client",
     "start_local_cluster",
     "worker_info",
+    "worker_malloc_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,20 @@ _START_WAIT = 30.0
 #: chunk-sized buffers are reused, and more than 64 MiB free at the top of a heap still goes
 #: back to the system.
 #: (Workers of other clusters get them at run time, see :mod:`dasktrain._malloc`.)
+#: Each arena keeps up to the trim threshold of freed memory, and glibc makes one per thread
+#: that allocates, up to 8 per core: a worker's pipeline and comm threads each left their
+#: own, and the process grew epoch after epoch (W13's image epochs). Two arenas bound it;
+#: set at start only, since glibc fixes the limit once more than 8 arenas exist.
 WORKER_MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
-                             "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+                             "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
+                             "MALLOC_ARENA_MAX": str(ARENA_MAX)}
 #: What distributed starts workers with when nobody configured the allocator.
-_STOCK_MALLOC = {"MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_MMAP_THRESHOLD_": None}
+_STOCK_MALLOC = {"MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_MMAP_THRESHOLD_": None,
+                 "MALLOC_ARENA_MAX": None}
 
 
 @contextlib.contextmanager
-def _worker_malloc_settings() -> Iterator[None]:
+def worker_malloc_settings() -> Iterator[None]:
     """Start the nannies made within with :data:`WORKER_MALLOC_ENVIRONMENT`, unless the user
     configured the allocator (in dask's configuration or the environment).
 
@@ -278,7 +285,7 @@ def start_local_cluster(n_workers: int | None = None,
     logger.info("starting a LocalCluster with %d worker(s)", options["n_workers"])
 
     def start() -> LocalCluster:
-        with warnings.catch_warnings(), _worker_malloc_settings():
+        with warnings.catch_warnings(), worker_malloc_settings():
             # Another cluster holding port 8787 only moves our (loopback) HTTP server.
             warnings.filterwarnings("ignore", message="Port .* is already in use")
             # The nannies read the environment as they are made, within this call.

@@ -24,9 +24,10 @@ import os
 import sys
 import threading
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "give_back_freed", "tune_allocator"]
+__all__ = ["ARENA_MAX", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "give_back_freed", "tune_allocator"]
 
 MMAP_THRESHOLD = 32 * 2**20
+ARENA_MAX = 2
 TRIM_THRESHOLD = 64 * 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 _STOCK_TRIM = "65536"  # what distributed sets when nobody configured the allocator
