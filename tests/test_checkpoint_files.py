@@ -148,6 +148,9 @@ def test_a_bounded_history_keeps_the_last_updates_and_counts_the_whole_run(
     assert len(bounded.staleness) == sum(bounded.gradients)
     assert bounded.samples_before + sum(bounded.samples) == sum(full.samples)
     assert len(bounded.epochs) == len(full.epochs) == 2
+    # The claims of the updates let go went with them (work is claimed on demand here).
+    assert full.claims and len(bounded.claims) < len(full.claims)
+    assert all(claim[1] >= bounded.version[0] for claim in bounded.claims), bounded.claims
     # Resumed, the History is rebuilt from the run's log (which keeps every update) and
     # bounded again; the log goes on keeping every update.
     again = trainer(history_updates=10).fit(regression, epochs=3, client=client,

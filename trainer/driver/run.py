@@ -442,13 +442,15 @@ class FitRun:
         """Fetch the holder's progress into the History; checkpoint when it is time."""
         progress = self.call("progress")
         self.version = progress["version"]
-        self.history.extend(progress["records"])
         claims = [[progress["epoch"], *c] for c in progress["claims"]]
+        # The claims first: extending by the records lets go of the claims of updates let
+        # go (history_updates), these included.
+        self.history.claims.extend(claims)
+        self.history.extend(progress["records"])
         if self._log is not None:
             self._log.append(progress["records"])
             self._log.append_items("claim", claims, self.version)
         self.add_events(progress["events"])
-        self.history.claims.extend(claims)
         self.history.fenced_calls = int(progress.get("fenced", 0))
         self.epoch_state = progress.get("epoch_state", "running")
         self.holder_epoch = int(progress["epoch"])

@@ -47,8 +47,9 @@ class History:
     no longer current (a dead one's late push, a claim that waited while it was dropped).
 
     The per-update and per-gradient lists grow with the run (about 0.3 KB of the driver's
-    memory per update). With ``kept_updates`` (``Trainer(history_updates=N)``) only the
-    last N updates' records stay; ``updates_before`` and ``samples_before`` count those let
+    memory per update), the claims with the epochs. With ``kept_updates``
+    (``Trainer(history_updates=N)``) only the last N updates' records stay, and the claims
+    made since the first of them; ``updates_before`` and ``samples_before`` count those let
     go, so that :attr:`updates` and :attr:`samples_per_second` still cover the whole run
     (staleness figures cover the updates kept). A run's log beside its checkpoint keeps
     every record.
@@ -106,6 +107,9 @@ class History:
             del getattr(self, name)[:gradients]
         for values in self.extra.values():
             del values[:gradients]
+        # Claims made before the first update kept go with those updates' records.
+        first = self.version[0]
+        self.claims[:] = [claim for claim in self.claims if claim[1] >= first]
 
     def __getattr__(self, name: str) -> list:
         # Only reached for names that are not fields: a mode's declared record fields.
