@@ -65,8 +65,8 @@ _START_WAIT = 30.0
 #: (Workers of other clusters get them at run time, see :mod:`dasktrain._malloc`.)
 #: Each arena keeps up to the trim threshold of freed memory, and glibc makes one per thread
 #: that allocates, up to 8 per core: a worker's pipeline and comm threads each left their
-#: own, and the process grew epoch after epoch (W13's image epochs). Two arenas bound it;
-#: set at start only, since glibc fixes the limit once more than 8 arenas exist.
+#: own, and the process grew epoch after epoch (W13's image epochs). Two arenas bound it.
+#: Only at a process's start: a limit set later leaves the arenas already made.
 WORKER_MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
                              "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
                              "MALLOC_ARENA_MAX": str(ARENA_MAX)}
