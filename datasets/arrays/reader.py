@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,57 +79,48 @@ class WindowArray:
         return out[(slice(None), *rest)] if rest else out
 
     def _read(self, start: int, stop: int) -> np.ndarray:
-        if stop == start:
-            return np.empty((0, *self.shape[1:]), dtype=self.dtype)
+        whole = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+        if stop > start:
+            self.read_into(whole, start, stop)
+        return whole
+
+    def read_into(self, out: np.ndarray, start: int, stop: int,
+                  rows: np.ndarray | None = None) -> None:
+        """Samples ``[start, stop)`` into ``out`` (of this array's dtype and sample shape):
+        its first rows, or, with ``rows``, row ``rows[i]`` for sample ``start + i``. The
+        pipeline reads a shuffled group of blocks that way: each sample is copied once,
+        from the store's slab to its place in the shuffled group."""
         geometry = self.geometry
         times, corners = geometry.locate(start, stop)
         t0, t1 = geometry.time_span(start, stop)
-        sizes = [size for _, size in geometry.window]
-        n = stop - start
-        whole = np.empty((n, *self.shape[1:]), dtype=self.dtype)
+        window = len(geometry.window)
         channel = 0
         for part in self.parts:
-            if part.kind == "static":
-                source, offsets = _cached(self, part.variable, None, None), None
-            else:
-                source = _cached(self, part.variable, t0, t1)
-                first = times - t0
-                offsets = first + (geometry.steps - 1 + geometry.lead) \
-                    if part.kind == "target" else first
+            timed = part.kind != "static"
+            source, nan = _slab(self, part, t0 if timed else None, t1 if timed else None)
             # The part's place in the array: its channels of a stacked one (written there,
             # not copied in after), or all of it.
             if self.stacked:
-                channels = int(np.prod(part.shape[:len(part.shape) - len(sizes)]))
-                out = whole[:, channel:channel + channels].reshape(n, *part.shape)
+                channels = int(np.prod(part.shape[:len(part.shape) - window]))
+                target = out[:, channel:channel + channels].reshape(
+                    len(out), *part.shape, copy=False)
                 channel += channels
             else:
-                out = whole
-            for k in range(n):
-                where = tuple(slice(c, c + s) for c, s in zip(corners[k], sizes, strict=True))
-                if offsets is None:
-                    out[k] = source[(Ellipsis, *where)]
-                elif part.kind == "target" or geometry.steps == 1:
-                    out[k] = source[(offsets[k], Ellipsis, *where)]
-                else:
-                    out[k] = source[(slice(offsets[k], offsets[k] + geometry.steps),
-                                     Ellipsis, *where)]
-            if part.mean is not None:
-                out -= part.mean
-                out /= part.std
-            self._missing(out, part, start, times, corners)
+                target = out
+            _cut(target, geometry.sample_view(source, part.kind), start,
+                 times - t0 if timed else None, corners, geometry, rows)
+            if nan:  # NaN in the slab: name the first sample that holds one, if any does
+                self._missing(target[:stop - start] if rows is None else target[rows],
+                              part, start, times, corners)
         _done(self, t0, t1)
-        return whole
 
     def _missing(self, out: np.ndarray, part: Part, start: int, times: np.ndarray,
                  corners: np.ndarray) -> None:
-        """NaN in the samples: filled (``nan="fill"``) or named (``"raise"``)."""
-        # One pass without a mask for the usual case: a minimum is NaN when any value is.
-        if out.dtype.kind != "f" or not np.isnan(out.min()):
-            return
+        """A NaN in samples ``start, start + 1, ...`` (``out``, read from a slab that holds
+        one) is named (``nan="fill"`` filled the slab already)."""
         missing = np.isnan(out)
-        if self.nan == "fill":
-            out[missing] = self.fill
-            return
+        if not missing.any():
+            return  # the slab's NaN lie outside every window
         k = int(np.argmax(missing.reshape(len(out), -1).any(axis=1)))
         geometry = self.geometry
         step = int(times[k]) + (geometry.steps - 1 + geometry.lead
@@ -146,19 +138,85 @@ class WindowArray:
         return f"<in-place array {self.shape} {self.dtype} of {names}>"
 
 
-def _cached(array: WindowArray, name: str, t0: int | None, t1: int | None) -> np.ndarray:
-    """A variable's slab ``[t0, t1)`` along the sample dimension (or all of a static one),
-    with its dimensions ordered (sample, the others, the window's). The slabs of the
-    block a thread reads are kept by that thread until it reads another block: a block's
-    arrays are read one after the other in one thread, so a variable that is both an input
-    and a target comes from the store once, however many threads read other blocks
-    meanwhile. Static fields are kept for the process."""
-    key = (array.token, name, t0, t1)
+def _cut(out: np.ndarray, view: np.ndarray, start: int, first: np.ndarray | None,
+         corners: np.ndarray, geometry: Geometry, rows: np.ndarray | None = None) -> None:
+    """Samples ``start, start + 1, ...`` of a part into ``out`` (its first rows, or
+    ``rows``) from its :meth:`~Geometry.sample_view` (``first``: each sample's first input
+    step in the slab, ``None`` for a static part). The whole sample times among them are
+    one copy in C; the samples of a time cut at either end, one gather each."""
+    n, per_step = len(corners), geometry.per_step
+    head = min((-start) % per_step, n)
+    whole_times = (n - head) // per_step
+    body = slice(head, head + whole_times * per_step)
+    if whole_times:
+        grid = (whole_times, *geometry.positions)
+        source = view[None] if first is None else \
+            view[first[head]:first[head] + whole_times]
+        if rows is None:
+            np.copyto(out[body].reshape(*grid, *out.shape[1:], copy=False), source,
+                      casting="unsafe")
+        else:
+            out[rows[body].reshape(grid)] = source
+    steps = np.array([step for _, step in geometry.stride], dtype=np.int64)
+    for at in (slice(0, head), slice(body.stop, n)):
+        if at.stop > at.start:
+            places = tuple((corners[at] // steps).T)
+            out[at if rows is None else rows[at]] = \
+                view[places if first is None else (first[at], *places)]
+
+
+def _slab(array: WindowArray, part: Part, t0: int | None, t1: int | None
+          ) -> tuple[np.ndarray, bool]:
+    """What ``part`` is cut from: its variable's slab in the array's dtype, normalized,
+    its NaN filled where ``nan="fill"``; and whether it still holds a NaN (``"raise"``:
+    the samples that hold one are then named). The work per value is done on the slab,
+    once for every part of the variable, and usually on fewer values than the samples
+    hold (a step serves ``input_steps`` samples' inputs and one's target); it gives each
+    sample the values that normalizing and filling the sample itself would."""
+    stats = None if part.mean is None else (part.mean.tobytes(), part.std.tobytes())
+
+    def raw() -> np.ndarray:
+        return _cached(array, part.variable, t0, t1, lambda: _read(array, part.variable, t0, t1))
+
+    return _cached(array, (part.variable, array.dtype.str, stats), t0, t1,
+                   lambda: _ready(array, part, raw()))
+
+
+def _ready(array: WindowArray, part: Part, raw: np.ndarray) -> tuple[np.ndarray, bool]:
+    dtype = array.dtype
+    if part.mean is not None:
+        # The statistics broadcast against a sample: their leading axes (steps) are 1s.
+        axes = raw.ndim - (part.kind != "static")
+        mean, std = (v if v.ndim == 0 else v.reshape(v.shape[v.ndim - axes:])
+                     for v in (part.mean, part.std))
+        ready = np.subtract(raw, mean, dtype=dtype)
+        ready /= std
+    else:
+        ready = raw if raw.dtype == dtype else raw.astype(dtype)
+    if dtype.kind != "f" or not np.isnan(ready.min()):
+        return ready, False
+    if array.nan != "fill":
+        return ready, True
+    if ready is raw:  # the raw slab may serve an array of another dtype still
+        ready = raw.copy()
+    ready[np.isnan(ready)] = array.fill
+    return ready, False
+
+
+def _cached(array: WindowArray, key: Any, t0: int | None, t1: int | None,
+            make: Callable[[], Any]) -> Any:
+    """What ``make`` gives for a variable's slab ``[t0, t1)`` along the sample dimension
+    (or for all of a static one; a slab's dimensions are ordered (sample, the others, the
+    window's)). The slabs of the block a thread reads are kept by that thread until it
+    reads another block: a block's arrays are read one after the other in one thread, so a
+    variable that is both an input and a target comes from the store once, however many
+    threads read other blocks meanwhile. Static fields are kept for the process."""
     if t0 is None:
+        key = (array.token, key)
         with _LOCK:
             found = _STATIC.get(key)
         if found is None:
-            found = _read(array, name, None, None)
+            found = make()
             with _LOCK:
                 _STATIC[key] = found
                 while len(_STATIC) > _KEEP_STATIC:
@@ -169,9 +227,9 @@ def _cached(array: WindowArray, name: str, t0: int | None, t1: int | None) -> np
     if kept is None or _THREAD.block != block:
         kept = _THREAD.slabs = {}
         _THREAD.block = block
-    found = kept.get(name)
+    found = kept.get(key)
     if found is None:
-        found = kept[name] = _read(array, name, t0, t1)
+        found = kept[key] = make()
     return found
 
 
@@ -200,4 +258,4 @@ def _read(array: WindowArray, name: str, t0: int | None, t1: int | None) -> np.n
 _THREAD = threading.local()
 _STATIC: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
 _LOCK = threading.Lock()
-_KEEP_STATIC = 16  # a few datasets' static fields
+_KEEP_STATIC = 32  # a few datasets' static fields, as read and as cut

@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from dasktrain.datasets.errors import DatasetError
 
@@ -123,3 +124,30 @@ class Geometry:
             if self.window else np.zeros((len(rows), 0), dtype=np.int64)
         strides = np.array([s for _, s in self.stride], dtype=np.int64)
         return times, corner * strides
+
+    def sample_view(self, source: np.ndarray, kind: str) -> np.ndarray:
+        """Every sample of a part at once, as a view of ``source`` (no copy): for a part of
+        ``kind`` "input" or "target", ``source`` is a slab ordered (sample dimension, the
+        others, the window's) and the view is ``[r, *position, *sample]``, the sample whose
+        first input step is the slab's ``r``-th at each window position; for a "static" one
+        (no sample dimension), ``[*position, *sample]``. One copy out of it cuts a range of
+        samples in C, not sample by sample."""
+        sizes = tuple(size for _, size in self.window)
+        timed = kind != "static"
+        rest = source.ndim - len(sizes) - timed  # the other dimensions' axes
+        view = sliding_window_view(source, sizes, axis=tuple(range(source.ndim - len(sizes),
+                                                                   source.ndim))) \
+            if sizes else source
+        # Every stride-th position, then the positions' axes next to the sample dimension.
+        view = view[(slice(None),) * (timed + rest) + tuple(
+            slice(0, count * step, step)
+            for count, (_, step) in zip(self.positions, self.stride, strict=True))]
+        first = timed + rest
+        view = view.transpose(*range(timed), *range(first, first + len(sizes)),
+                              *range(timed, first), *range(first + len(sizes), view.ndim))
+        if kind == "input" and self.steps > 1:
+            steps = sliding_window_view(view, self.steps, axis=0)
+            return np.moveaxis(steps, -1, 1 + len(sizes))
+        if kind == "target":
+            return view[self.steps - 1 + self.lead:]
+        return view
