@@ -91,13 +91,14 @@ def _finished(batches: list[dict[str, np.ndarray]], device: torch.device,
 
 
 class Finishing(Sequence[Tensors]):
-    """A unit's batches while the fetch thread finishes them in order: batch ``i`` is there
-    once it is finished, so the consumer takes a unit's first batch while the thread still
-    makes the floats of the next (at the start of an epoch, what the consumer waits for)."""
+    """A unit's batches while a thread finishes them in order (a fetch thread makes their
+    floats, a read thread cuts them): batch ``i`` is there once it is finished, so the
+    consumer takes a unit's first batch while the thread still makes the next (at the start
+    of an epoch, what the consumer waits for)."""
 
-    def __init__(self, tensors: list[Tensors], timeout: float) -> None:
-        self._batches: list[Tensors | None] = [None] * len(tensors)
-        self._ready = [threading.Event() for _ in tensors]
+    def __init__(self, count: int, timeout: float) -> None:
+        self._batches: list[Tensors | None] = [None] * count
+        self._ready = [threading.Event() for _ in range(count)]
         self._failed: BaseException | None = None
         self._timeout = timeout
 
@@ -143,7 +144,7 @@ def fetch_unit(client: Client, future: Future, plan: EpochPlan, unit: Unit, time
     if finish is None:
         delivered.set_result(tensors)
         return
-    batches = Finishing(tensors, timeout)
+    batches = Finishing(len(tensors), timeout)
     delivered.set_result(batches)
     for index, batch in enumerate(tensors):
         try:
@@ -185,18 +186,45 @@ class WindowCell:
 
 
 def compute_here(context: EpochContext, unit: Unit, device: torch.device,
-                 finish: Finish | None = None,
-                 cells: Sequence[WindowCell] | None = None) -> list[Tensors]:
+                 finish: Finish | None, cells: Sequence[WindowCell] | None, timeout: float,
+                 delivered: concurrent.futures.Future[Sequence[Tensors]]) -> None:
     """A unit read, cut and turned into tensors on a read thread of this process
     (``placement="consumer"``): one thread hop from the read to the consumer. ``cells``:
-    the unit's windows, shared with the units next to it (one read for all)."""
+    the unit's windows, shared with the units next to it (one read for all).
+
+    ``delivered`` gets the batches once the unit's first window is read, as a
+    :class:`Finishing` that this thread fills batch by batch, each as soon as the windows
+    it lies in are read: a unit's last batch may lie in the next group as well, and the
+    batches before it do not wait for that group's read."""
+    if not delivered.set_running_or_notify_cancel():
+        return  # the consumer let go of the unit before it was read
+    read: dict[int, dict[str, np.ndarray]] = {}
+
+    def window(w: int) -> dict[str, np.ndarray]:
+        if w not in read:
+            k = unit.windows.index(w)
+            read[w] = cells[k].get() if cells is not None else load_window(context, w)
+        return read[w]
+
+    batches: Finishing | None = None
     try:
-        arrays = [cell.get() for cell in cells] if cells is not None else \
-            [load_window(context, w) for w in unit.windows]
-        batches = assemble_batches(unit.pieces, unit.windows, *arrays)
-    except BlockFailed as exc:
-        raise PipelineError(exc.args[0]) from exc.original
-    return _finished(batches, device, finish)
+        for index, pieces in enumerate(unit.pieces):
+            within = tuple(dict.fromkeys(p.window for p in pieces))
+            batch = _finished(assemble_batches((pieces,), within,
+                                               *[window(w) for w in within]), device, finish)
+            if batches is None:
+                batches = Finishing(len(unit.pieces), timeout)
+                delivered.set_result(batches)
+            batches.put(index, batch[0])
+    except BaseException as exc:  # handed to the consumer, which raises it
+        failed = exc
+        if isinstance(exc, BlockFailed):
+            failed = PipelineError(exc.args[0])
+            failed.__cause__ = exc.original
+        if batches is None:
+            delivered.set_exception(failed)
+        else:
+            batches.fail(failed)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,14 +37,14 @@ from dasktrain.pipeline.named import check_pair_batches
 from dasktrain.pipeline.plan import TASK_ROWS, EpochPlan, Unit, check_shares
 from dasktrain.pipeline.stats import PipelineStats
 from dasktrain.pipeline.submit import (
-    CONSUMER_THREADS,
     PLACEMENTS,
+    LocalReaders,
     Submitter,
     inside_task,
     placement_kwargs,
     release,
 )
-from dasktrain.pipeline.tasks import ArraysRef, Transform
+from dasktrain.pipeline.tasks import ArraysRef, Transform, forget_groups
 
 __all__ = ["Pipeline"]
 
@@ -212,7 +212,7 @@ class Pipeline:
             ("consumer" if transform is None else "anywhere")
         # The read threads of placement="consumer"; made and shut down on the consumer's
         # thread, used by the feeder of each epoch.
-        self._local: concurrent.futures.ThreadPoolExecutor | None = None
+        self._local: LocalReaders | None = None
         self.as_dict = as_dict
         self.timeout = float(timeout)
         self.stats = PipelineStats()
@@ -331,8 +331,9 @@ class Pipeline:
         self._late.clear()
         self._drop_ahead(drain=wait)
         if self._local is not None:
-            self._local.shutdown(wait=bool(wait), cancel_futures=True)  # a read takes ms
+            self._local.shutdown(wait=bool(wait))  # a read takes ms
             self._local = None
+            forget_groups(self._token)
 
     def __enter__(self) -> Pipeline:
         return self
@@ -348,10 +349,7 @@ class Pipeline:
         client = None
         if self.placement == "consumer":
             if self._local is None:
-                # Two threads: one decodes (zarr and its codecs release the GIL) while the
-                # other shuffles and cuts; units still finish in order, near enough.
-                self._local = concurrent.futures.ThreadPoolExecutor(
-                    CONSUMER_THREADS, thread_name_prefix="dasktrain-read")
+                self._local = LocalReaders()
         else:
             client = self.client
         return Submitter(placement=self.placement, token=self._token, rank=self.rank,

@@ -3,8 +3,11 @@ shared by several units is read once), or read threads of the consuming process.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,18 +24,90 @@ from dasktrain.pipeline.tasks import (
     EpochContext,
     Transform,
     assemble_batches,
+    claim_read,
+    drop_claim,
     load_unit,
     load_window,
+    read_ahead,
 )
 
-__all__ = ["CONSUMER_THREADS", "PLACEMENTS", "Submitted", "Submitter", "forget_windows",
-           "inside_task", "placement_kwargs", "release"]
+__all__ = ["CONSUMER_THREADS", "PLACEMENTS", "LocalReaders", "Submitted", "Submitter",
+           "forget_windows", "inside_task", "placement_kwargs", "release"]
 
 PLACEMENTS = ("auto", "anywhere", "local", "consumer")
 #: Threads that read blocks where the consumer reads them itself (placement "consumer").
 CONSUMER_THREADS = 2
+#: An epoch's first groups read one at a time where the consumer reads (see LocalReaders).
+IN_TURN = 3
+#: Seconds a read ahead waits for the one before it (it runs, and always ends: a bound
+#: only against a read that hangs).
+READ_WAIT = 300.0
 #: A unit's work: a Dask future on the cluster, a thread's future in this process.
 Submitted = Future | concurrent.futures.Future
+
+
+class LocalReaders:
+    """The read threads of placement "consumer": :data:`CONSUMER_THREADS` that make each
+    unit's batches, and as many that read the units' groups ahead, in the order the units
+    come. A group serves several units; a unit's thread that waits for another thread's read
+    of its group is idle, and where the units' threads did all the reading, the units next
+    in line were the same group's, so one group was read at a time. Read ahead, the next
+    groups are read meanwhile (one core each), and a unit's thread cuts its batches out."""
+
+    def __init__(self) -> None:
+        self.units = concurrent.futures.ThreadPoolExecutor(
+            CONSUMER_THREADS, thread_name_prefix="dasktrain-read")
+        self.groups = concurrent.futures.ThreadPoolExecutor(
+            CONSUMER_THREADS, thread_name_prefix="dasktrain-read-ahead")
+        # Per epoch, its first groups and when each read is over.
+        self._turns: collections.OrderedDict[str, dict[int, threading.Event]] = \
+            collections.OrderedDict()
+        self._lock = threading.Lock()  # the feeders of two epochs may submit at once
+
+    def read_ahead(self, context: EpochContext, group: int) -> None:
+        """Read ``group`` ahead of its units, which wait for this read from now on. An
+        epoch's first :data:`IN_TURN` groups are read one after the other, each on both
+        cores (zarr decodes a read's chunks in threads of its own): the first batch waits
+        for the first, and the consumer is through the first groups before two reads at
+        once, each on a core, finish."""
+        if not claim_read(context, group):
+            return
+        with self._lock:
+            turns = self._turns.setdefault(context.digest, {})
+            while len(self._turns) > 8:  # a few epochs (this one, the next's head start)
+                self._turns.popitem(last=False)
+            after = turns[next(reversed(turns))] if turns else None
+            done = threading.Event() if len(turns) < IN_TURN else None
+            if done is not None:
+                turns[group] = done
+        future = self.groups.submit(_read_in_turn, context, group, after, done)
+        future.add_done_callback(functools.partial(_if_cancelled, context, group, done))
+
+    def shutdown(self, wait: bool) -> None:
+        for pool in (self.groups, self.units):
+            pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def _read_in_turn(context: EpochContext, group: int, after: threading.Event | None,
+                  done: threading.Event | None) -> None:
+    """:func:`read_ahead` once ``after`` is set (the read before it is over)."""
+    try:
+        if after is not None:
+            after.wait(READ_WAIT)
+        read_ahead(context, group)
+    finally:
+        if done is not None:
+            done.set()
+
+
+def _if_cancelled(context: EpochContext, group: int, done: threading.Event | None,
+                  future: concurrent.futures.Future) -> None:
+    """A read cancelled before it ran (the pipeline closed): its units, and the reads in
+    turn after it, go on."""
+    if future.cancelled():
+        drop_claim(context, group)
+        if done is not None:
+            done.set()
 
 
 def release(future: Submitted) -> None:
@@ -99,7 +174,7 @@ class Submitter:
     """The cluster's client; None for ``placement="consumer"``."""
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """From :func:`placement_kwargs`."""
-    local: concurrent.futures.ThreadPoolExecutor | None = None
+    local: LocalReaders | None = None
     """The read threads of ``placement="consumer"``."""
     finish: Finish | None = None
     """The transform's part left to this process, run where the batches arrive (on the CPU;
@@ -133,8 +208,15 @@ class Submitter:
                     if not (isinstance(cell, WindowCell) and cell.serves(context)):
                         cell = windows[w] = WindowCell(context, w)
                     cells.append(cell)
-            return self.local.submit(compute_here, context, unit, self.device, self.finish,
-                                     cells)
+            for group in dict.fromkeys(plan.window_spans[w].group for w in unit.windows):
+                self.local.read_ahead(context, group)
+            delivered: concurrent.futures.Future[Sequence[Tensors]] = \
+                concurrent.futures.Future()
+            task = self.local.units.submit(compute_here, context, unit, self.device,
+                                           self.finish, cells, self.timeout, delivered)
+            # Cancelled before it ran (the pipeline closed): so are its batches.
+            task.add_done_callback(lambda task: task.cancelled() and delivered.cancel())
+            return delivered
         client = self.client
         assert client is not None, "a Dask placement submits through a client"
         epoch = plan.epoch

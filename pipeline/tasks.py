@@ -18,8 +18,9 @@ from dasktrain._malloc import tune_allocator
 from dasktrain.datasets.chunks import ChunkError, repair_hint
 from dasktrain.pipeline.plan import EpochPlan, Piece
 
-__all__ = ["BlockFailed", "EpochContext", "Transform", "assemble_batches", "load_unit",
-           "load_window", "window_arrays"]
+__all__ = ["BlockFailed", "EpochContext", "Transform", "assemble_batches", "claim_read",
+           "drop_claim", "forget_groups", "load_unit", "load_window", "read_ahead",
+           "window_arrays"]
 
 #: ``transform(arrays, rng) -> arrays`` on a dict of numpy arrays sharing axis 0.
 Transform = Callable[[dict[str, np.ndarray], np.random.Generator], dict[str, np.ndarray]]
@@ -97,11 +98,18 @@ _OPENED_LOCK = threading.Lock()
 _OPENED_KEEP = 8  # a few pipelines x (this epoch, the next) per worker process
 
 
-def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int) -> dict[str, np.ndarray]:
+def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int,
+                into: dict[str, np.ndarray] | None = None, rows: np.ndarray | None = None
+                ) -> dict[str, np.ndarray]:
+    """Rows ``[a, b)`` of every array; with ``into``, written into those arrays at
+    ``rows`` (arrays that cut their samples, :meth:`WindowArray.read_into`) instead."""
     out = {}
     for name, array in zip(ref.names, ref.arrays, strict=True):
         try:
-            out[name] = array[a:b]
+            if into is None:
+                out[name] = array[a:b]
+            else:
+                array.read_into(into[name], a, b, rows)
         except ChunkError as exc:
             # The one chunk at fault, not the block's range of them.
             first, last = exc.rows or (a, b)
@@ -116,14 +124,38 @@ def _read_block(ref: ArraysRef, a: int, b: int, block: int, epoch: int) -> dict[
             raise BlockFailed(
                 f"cannot read array {name!r} chunk {chunks} (rows {a}:{b}) for block {block} "
                 f"of epoch {epoch}: {type(exc).__name__}: {exc}", exc) from None
-    return out
+    return out if into is None else into
+
+
+def _read_blocks(ref: ArraysRef, plan: EpochPlan, group: int) -> tuple[dict[str, np.ndarray],
+                                                                      bool]:
+    """A group's rows, and whether they are shuffled already. Arrays that cut their
+    samples out of a store (an in-place dataset's) write each sample straight to its
+    shuffled place in the group; others are read block by block in stored order, and the
+    rows are taken in shuffled order by each window."""
+    order = plan.group_permutation(group)
+    blocks = [(block, *plan.block_range(block)) for block in plan.groups[group]]
+    if order is not None and all(hasattr(array, "read_into") for array in ref.arrays):
+        place = np.empty_like(order)
+        place[order] = np.arange(len(order))
+        into = {name: np.empty((len(order), *array.shape[1:]), dtype=array.dtype)
+                for name, array in zip(ref.names, ref.arrays, strict=True)}
+        at = 0
+        for block, a, b in blocks:
+            _read_block(ref, a, b, block, plan.epoch, into, place[at:at + b - a])
+            at += b - a
+        return into, True
+    parts = [_read_block(ref, a, b, block, plan.epoch) for block, a, b in blocks]
+    return {n: np.concatenate([p[n] for p in parts]) if len(parts) > 1 else parts[0][n]
+            for n in parts[0]}, False
 
 
 def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: int,
-                keep: bool) -> dict[str, np.ndarray]:
-    """The group's blocks, read and concatenated, in stored order (each window takes its
-    shuffled rows: the epoch's first window, one batch, then waits for a quarter of a
-    group's copy, not all of it); with ``keep``, kept for the group's next windows, which
+                keep: bool) -> tuple[dict[str, np.ndarray], bool]:
+    """The group's blocks, read, and whether their rows are shuffled already
+    (:func:`_read_blocks`; otherwise in stored order, and each window takes its shuffled
+    rows: the epoch's first window, one batch, then waits for a quarter of a group's copy,
+    not all of it); with ``keep``, kept for the group's next windows, which
     usually run in the same process (a group is read once, not once per window)."""
     key = (context.digest, group)
     while True:
@@ -135,8 +167,9 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
                 if _LEFT[key] <= 0:  # its last window: the group has served its reads
                     del _GROUPS[key], _LEFT[key]
                 return found
-            reading = _READING.get(key) if keep else None
+            reading = _READING.get(key)
             if reading is None:
+                _started(key)
                 if keep:  # this thread reads it; another that asks meanwhile waits
                     _READING[key] = threading.Event()
                 break
@@ -146,14 +179,11 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
         if not reading.wait(_READ_WAIT):
             break
     try:
-        parts = [_read_block(ref, *plan.block_range(block), block, plan.epoch)
-                 for block in plan.groups[group]]
-        arrays = {n: np.concatenate([p[n] for p in parts]) if len(parts) > 1
-                  else parts[0][n] for n in parts[0]}
+        read = _read_blocks(ref, plan, group)
         left = _windows_of(context.digest, plan)[group] - 1 if keep else 0
         if left > 0:
             with _GROUPS_LOCK:
-                _GROUPS[key], _LEFT[key] = arrays, left
+                _GROUPS[key], _LEFT[key] = read, left
                 while len(_GROUPS) > _GROUPS_KEEP:
                     _LEFT.pop(next(iter(_GROUPS)), None)
                     _GROUPS.popitem(last=False)
@@ -163,7 +193,75 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
                 done = _READING.pop(key, None)
             if done is not None:
                 done.set()
-    return arrays
+    return read
+
+
+def claim_read(context: EpochContext, group: int) -> bool:
+    """Claim a group's read for a read ahead (placement "consumer": see
+    :class:`~dasktrain.pipeline.submit.LocalReaders`), unless this process has read it, or
+    started to, already: from now on its windows wait for that read rather than make their
+    own. True if claimed; then :func:`read_ahead` or :func:`drop_claim` must follow."""
+    key = (context.digest, group)
+    with _GROUPS_LOCK:
+        if key in _STARTED:
+            return False
+        _started(key)
+        _READING[key] = threading.Event()
+    return True
+
+
+def read_ahead(context: EpochContext, group: int) -> None:
+    """Read a group claimed with :func:`claim_read` and keep it for all its windows. A read
+    that fails is left to the windows, which read the group again and name the fault."""
+    tune_allocator()  # before the first large buffer of this process
+    key = (context.digest, group)
+    try:
+        ref, plan, _ = context.open()
+        read = _read_blocks(ref, plan, group)
+        windows = _windows_of(context.digest, plan)[group]
+        with _GROUPS_LOCK:
+            _GROUPS[key], _LEFT[key] = read, windows
+            while len(_GROUPS) > _GROUPS_KEEP:
+                _LEFT.pop(next(iter(_GROUPS)), None)
+                _GROUPS.popitem(last=False)
+    except BlockFailed:
+        drop_claim(context, group)
+    finally:
+        with _GROUPS_LOCK:
+            done = _READING.pop(key, None)
+        if done is not None:
+            done.set()
+
+
+def drop_claim(context: EpochContext, group: int) -> None:
+    """Give up a read claimed with :func:`claim_read` (cancelled, or failed): the windows
+    that wait for it, or ask later, read the group themselves."""
+    key = (context.digest, group)
+    with _GROUPS_LOCK:
+        _STARTED.pop(key, None)
+        done = _READING.pop(key, None)
+    if done is not None:
+        done.set()
+
+
+def forget_groups(token: str) -> None:
+    """Let go of the groups kept for the epochs of the pipeline ``token`` names (placement
+    "consumer", whose epochs' digests it begins): a closed pipeline's groups read ahead would
+    otherwise stay in this process until other groups pushed them out."""
+    prefix = f"{token}-"
+    with _GROUPS_LOCK:
+        for key in [k for k in _GROUPS if k[0].startswith(prefix)]:
+            del _GROUPS[key]
+            _LEFT.pop(key, None)
+        for key in [k for k in _STARTED if k[0].startswith(prefix)]:
+            del _STARTED[key]
+
+
+def _started(key: tuple[str, int]) -> None:
+    """``key``'s group is being read in this process (call with the lock held)."""
+    _STARTED[key] = None
+    while len(_STARTED) > _STARTED_KEEP:
+        _STARTED.popitem(last=False)
 
 
 def _windows_of(digest: str, plan: EpochPlan) -> collections.Counter:
@@ -183,22 +281,27 @@ def _windows_of(digest: str, plan: EpochPlan) -> collections.Counter:
 # windows of one group run at about the same time, in whichever of a process's threads):
 # what is kept is the groups being cut, however many threads read, and a group whose
 # windows never all come (an epoch left early) goes out oldest first past the bound.
-_GROUPS: collections.OrderedDict[tuple[str, int], dict[str, np.ndarray]] = \
+_GROUPS: collections.OrderedDict[tuple[str, int], tuple[dict[str, np.ndarray], bool]] = \
     collections.OrderedDict()
 _LEFT: dict[tuple[str, int], int] = {}  # windows still to take each kept group's rows
 _WINDOWS: collections.OrderedDict[str, collections.Counter] = collections.OrderedDict()
 _GROUPS_LOCK = threading.Lock()
 _GROUPS_KEEP = 8
 _READING: dict[tuple[str, int], threading.Event] = {}  # groups being read, by whom waits
+# Groups read, or being read, lately: a read ahead never reads one again (its windows may
+# have taken it and let it go already).
+_STARTED: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+_STARTED_KEEP = 4096
 _READ_WAIT = 300.0  # seconds a window waits for another thread's read of its group
 
 
 def window_arrays(plan: EpochPlan, transform: Transform | None, window: int,
-                  group_arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A window's rows of its group (read, in stored order), shuffled and transformed piece
-    by piece."""
+                  group_arrays: dict[str, np.ndarray], shuffled: bool = False
+                  ) -> dict[str, np.ndarray]:
+    """A window's rows of its group (read in stored order, or ``shuffled`` already),
+    shuffled and transformed piece by piece."""
     span = plan.window_spans[window]
-    order = plan.group_permutation(span.group)
+    order = None if shuffled else plan.group_permutation(span.group)
 
     def rows(a: int, b: int) -> dict[str, np.ndarray]:
         # Copies where a transform follows (it may write into its arrays, and the group is
@@ -243,8 +346,8 @@ def load_window(context: EpochContext, window: int) -> dict[str, np.ndarray]:
     ref, plan, transform = context.open()
     span = plan.window_spans[window]
     whole = span.start == 0 and span.stop == plan.group_size(span.group)
-    group = _read_group(context, ref, plan, span.group, keep=not whole)
-    return window_arrays(plan, transform, window, group)
+    group, shuffled = _read_group(context, ref, plan, span.group, keep=not whole)
+    return window_arrays(plan, transform, window, group, shuffled)
 
 
 def _check_transformed(result: Any, rows: int, where: str, epoch: int

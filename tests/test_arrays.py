@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import json
 import shutil
+import threading
+import time
 
 import dask
 import dask.array as da
@@ -94,6 +96,12 @@ def test_every_sample_is_the_window_the_docs_describe(store, stride):
     np.testing.assert_array_equal(ds.zarr_array("y")[0:len(ds)], want_y)
     # Any range reads the same samples as the whole, across chunk boundaries.
     np.testing.assert_array_equal(ds.zarr_array("x")[37:151], want_x[37:151])
+    # Written to rows given in any order (a shuffled group's places, as the pipeline
+    # reads), each sample lands in its row, the steps cut at either end included.
+    rows = np.random.default_rng(0).permutation(151 - 37)
+    out = np.full((len(rows), *want_x.shape[1:]), np.nan, dtype=np.float32)
+    ds.zarr_array("x").read_into(out, 37, 151, rows)
+    np.testing.assert_array_equal(out[rows], want_x[37:151])
 
 
 def test_a_store_a_dataset_in_memory_and_dask_arrays_give_the_same_samples(store):
@@ -168,6 +176,41 @@ def test_a_pipeline_resumed_mid_epoch_yields_the_rest_of_the_epoch(client, store
     again.load_state_dict(state)
     rest = _ids(again)
     assert [b.tolist() for b in head + rest] == [b.tolist() for b in whole]
+
+
+def test_a_pipeline_closed_early_leaves_no_read_running_and_the_next_reads_every_window(
+        client, store):
+    ds = _cells(store)
+    first = dt.Pipeline(ds, batch_size=8, seed=4, client=client, prefetch=8)
+    next(iter(first))  # groups are read ahead of it, most not begun
+    first.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dasktrain-read")]
+    # Reads that never ran were given up: a pipeline of the same epoch does not wait for
+    # them, and serves every window once.
+    ids = np.concatenate(_ids(dt.Pipeline(ds, batch_size=8, seed=4, client=client)))
+    want = ds.zarr_array("x")[0:len(ds)][:, 0, 0, 0]
+    assert sorted(ids.tolist()) == sorted(want.tolist())
+
+
+def test_closing_while_groups_are_read_ahead_returns_promptly(client):
+    """A slow store: when the first batch comes, the next groups are being read, one after
+    another, and more wait their turn. Closing then lets the reads under way end, cancels
+    the others, and leaves no read thread; it does not wait out a read's bound (minutes)."""
+    data = _field()
+
+    def slowly(block: np.ndarray) -> np.ndarray:
+        time.sleep(0.05)  # a slow store: each chunk takes this long to come
+        return block
+
+    cell = da.from_array(data.cell.values, chunks=(7, LAT, LON)).map_blocks(slowly)
+    ds = dt.open_arrays({"cell": cell}, dims={"cell": ("time", "lat", "lon")}, window=WINDOW,
+                        inputs=["cell"], targets=["cell"], lead=1, stack=True)
+    pipe = dt.Pipeline(ds, batch_size=8, seed=1, client=client, prefetch=8)
+    next(iter(pipe))
+    start = time.monotonic()
+    pipe.close()
+    assert time.monotonic() - start < 30
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dasktrain-read")]
 
 
 class _Forecast(torch.nn.Module):
