@@ -7,7 +7,8 @@ float32 variables on (time, level, lat, lon), ``--levels`` levels, ``--steps`` s
 x the whole grid, zstd. Samples: patches of 64 x 64 (no overlap: 2 x 5 a step), the two
 last steps of every variable and level in, the next step out; batches of 64.
 
-Side by side, each a fresh loader's first batches, the first one included:
+Side by side, each a fresh loader's first batches, the first one included, the store's
+files read once before (in the page cache, for every loader alike):
 
 * **xbatcher** 0.4: ``BatchGenerator`` over the variables stacked into one DataArray (dask,
   the store's chunks) for the inputs and another for the targets, through
@@ -19,15 +20,18 @@ Side by side, each a fresh loader's first batches, the first one included:
 * **dasktrain**: ``dt.open_arrays`` + ``dt.Pipeline`` at their defaults, on a LocalCluster of
   2 single-threaded processes.
 
-Each loader runs its first batches (dasktrain ``--batches``, default 40; the baselines, which
-read a whole chunk of every variable for each sample, ``--baseline-batches``, default 5)
-with a consumer step of C = 0 (samples/s)
-and C = 30 ms (stall: the share of the wall time spent waiting for a batch). dasktrain also
-runs one whole epoch at C = 0, for the bytes its processes read (``rchar`` of
-``/proc/<pid>/io``: every read system call, the store's files and the few messages the workers
-receive, and of this process, where a pipeline without a transform reads) against the
-store's size. Last, what the copy it avoids costs: ``prepare`` of the
-same windows (time and bytes written), from a numpy array of them.
+The baselines, which read a whole chunk of every variable for each sample, run their first
+batches (``--baseline-batches``, default 5) with a consumer step of C = 0 (samples/s) and
+C = 30 ms (stall: the share of the wall time spent waiting for a batch). dasktrain runs a
+whole epoch at each C, a fresh pipeline each, the first batch included (the goals'
+figures; at C = 30 ms the median of ``--repeats``, default 3); then the bytes its
+processes read in one epoch of a run (``rchar`` of ``/proc/<pid>/io``: every read system
+call, the store's files and the few messages the workers receive, and of this process,
+where a pipeline without a transform reads; a pipeline's second epoch, as each epoch reads
+the next one's first groups ahead) against the store's size; then, for comparison with
+the baselines' short runs, its first ``--batches`` (default 40) at each C. Last, what the
+copy it avoids costs: ``prepare`` of the same windows (time and bytes written), from a
+numpy array of them.
 
 Run: ``.venv/bin/python benchmarks/arrays.py`` (the store takes about a minute to write on 2
 cores; ``--quick``: a 40-step store on a 96 x 192 grid, a few batches).
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -60,7 +65,8 @@ from dasktrain._cluster import NO_DASHBOARD
 from dasktrain.cli.bench import Ratio, parse_with_quick, ratio_of, write_ratios
 
 PATCH, BATCH, CHUNK, STEP_MS = 64, 64, 24, 30.0
-QUICK = {"steps": 40, "lat": 96, "lon": 192, "batches": 8, "baseline_batches": 2}
+QUICK = {"steps": 40, "lat": 96, "lon": 192, "batches": 8, "baseline_batches": 2,
+         "repeats": 1}
 
 
 # -- the store -----------------------------------------------------------------------------
@@ -83,6 +89,17 @@ def make_store(path: Path, variables: int, levels: int, steps: int, lat: int, lo
                      encoding={n: {"chunks": chunks, "compressors": [ZstdCodec(level=1)]}
                                for n in names})
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def warm(path: Path) -> None:
+    """Read every file of the store once, so that each loader reads from the page cache:
+    the figures are the loaders', not the disk's (a run after another's ``prepare`` of the
+    copy, which writes twice the store, finds little of it cached)."""
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                while f.read(1 << 24):
+                    pass
 
 
 def variables_of(path: Path) -> list[str]:
@@ -151,13 +168,15 @@ def in_place(path: Path) -> dt.ArrayDataset:
 
 # -- measuring -----------------------------------------------------------------------------
 def timed(make: Callable[[], Iterable[Any]], batches: int, step_ms: float
-          ) -> tuple[float, float, int]:
-    """``(samples/s, stall, samples)`` of a fresh loader's first ``batches`` batches (0: all
-    of them), its construction and first batch included; the consumer sleeps ``step_ms``
-    after each batch, as a training step would take that long."""
+          ) -> tuple[float, float, int, float]:
+    """``(samples/s, stall, samples, seconds to the first batch)`` of a fresh loader's
+    first ``batches`` batches (0: all of them), its construction and first batch included;
+    the consumer sleeps ``step_ms`` after each batch, as a training step would take that
+    long."""
     start = time.perf_counter()
-    waited, samples, count = 0.0, 0, 0
-    iterator = iter(make())
+    waited, samples, count, first = 0.0, 0, 0, 0.0
+    loader = make()
+    iterator = iter(loader)
     while batches == 0 or count < batches:
         asked = time.perf_counter()
         try:
@@ -165,13 +184,30 @@ def timed(make: Callable[[], Iterable[Any]], batches: int, step_ms: float
         except StopIteration:
             break
         waited += time.perf_counter() - asked
+        first = first or time.perf_counter() - start
         samples += len(x)
         count += 1
         if step_ms:
             time.sleep(step_ms / 1000)
     wall = time.perf_counter() - start
     del iterator
-    return samples / wall, waited / wall, samples
+    if hasattr(loader, "close"):  # a pipeline reads the next epoch's first units ahead
+        loader.close()
+    return samples / wall, waited / wall, samples, first
+
+
+def epoch_reads(client: Client, make: Callable[[], dt.Pipeline]) -> int:
+    """Bytes one epoch reads in a run of several: a pipeline's second epoch (its first
+    read the second's first groups ahead, as its last batches went)."""
+    pipeline = make()
+    for _ in pipeline:
+        pass
+    before = reads(client)
+    for _ in pipeline:
+        pass
+    read = reads(client) - before
+    pipeline.close()
+    return read
 
 
 def reads(client: Client) -> int:
@@ -218,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the baselines' batches per C (they read a chunk per sample)")
     parser.add_argument("--dir", help="scratch folder (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the store for a rerun")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="dasktrain's whole epochs at C = 30 ms (the median's stall)")
     parser.add_argument("--no-prepare", action="store_true", help="skip the copy's cost")
     args = parse_with_quick(parser, argv, QUICK, "a 40-step store, 8 batches: the plumbing")
     torch.set_num_threads(1)
@@ -230,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             size = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
         else:
             size = make_store(store, args.vars, args.levels, args.steps, args.lat, args.lon)
+        warm(store)
         print(f"store: {args.vars} variables x {args.levels} levels x {args.steps} steps x "
               f"{args.lat} x {args.lon} float32, chunks of {CHUNK} steps, zstd: "
               f"{size / 1e9:.2f} GB on disk ({time.perf_counter() - start:.0f} s)")
@@ -249,7 +288,7 @@ def run(store: Path, size: int, args: argparse.Namespace, scratch: Path) -> list
                "xarray + DataLoader": lambda: xarray_loader(store)}
     for name, make in loaders.items():
         for step in (0.0, STEP_MS):
-            rate, stall, _ = timed(make, args.baseline_batches, step)
+            rate, stall, _, _ = timed(make, args.baseline_batches, step)
             results[name, step] = rate, stall
             print(f"  {name:<22} C = {step:>4.0f} ms: {rate:8,.0f} samples/s, stall "
                   f"{100 * stall:5.1f} %", flush=True)
@@ -257,21 +296,34 @@ def run(store: Path, size: int, args: argparse.Namespace, scratch: Path) -> list
                       **NO_DASHBOARD) as cluster, Client(cluster) as client:
         ds = in_place(store)
         client.run(lambda: __import__("dasktrain.pipeline.tasks"))  # not in the reads below
-        # The whole epoch first, another seed than the timed runs': no group of it is in
-        # the workers' caches, every byte is read from the store's files.
-        before = reads(client)
-        rate, stall, samples = timed(lambda: dt.Pipeline(in_place(store), batch_size=BATCH,
-                                                         seed=1, client=client), 0, 0.0)
-        read = reads(client) - before
-        print(f"  dasktrain, one whole epoch: {samples:,} samples at {rate:,.0f} samples/s, "
-              f"stall {100 * stall:.1f} %; read {read / 1e9:.2f} GB, "
+        # Whole epochs first, each a fresh pipeline, the first batch included.
+        rate, stall, samples, first = timed(
+            lambda: dt.Pipeline(in_place(store), batch_size=BATCH, seed=1, client=client),
+            0, 0.0)
+        results["dasktrain", 0.0] = rate, stall
+        print(f"  dasktrain in place, one whole epoch: {samples:,} samples at "
+              f"{rate:,.0f} samples/s (the first batch at {first:.2f} s)", flush=True)
+        # Its stall is a few tenths of a second in ten: the median of --repeats epochs.
+        paced = [timed(lambda seed=seed: dt.Pipeline(in_place(store), batch_size=BATCH,
+                                                     seed=seed, client=client), 0, STEP_MS)
+                 for seed in range(2, 2 + args.repeats)]
+        rate, stall = statistics.median(r[0] for r in paced), statistics.median(r[1] for r in paced)
+        results["dasktrain", STEP_MS] = rate, stall
+        print(f"  dasktrain in place, one whole epoch at C = {STEP_MS:.0f} ms: "
+              f"{rate:,.0f} samples/s, stall {100 * stall:.1f} % (median of {len(paced)}: "
+              + ", ".join(f"{100 * r[1]:.1f} %" for r in paced) + "; the first batch at "
+              + ", ".join(f"{r[3]:.2f}" for r in paced) + " s; the step alone allows "
+              f"{1000 * BATCH / STEP_MS:,.0f} samples/s)", flush=True)
+        read = epoch_reads(client, lambda: dt.Pipeline(in_place(store), batch_size=BATCH,
+                                                       seed=3, client=client))
+        print(f"  dasktrain in place, one epoch's reads: {read / 1e9:.2f} GB, "
               f"{read / size:.2f}x the store", flush=True)
         for step in (0.0, STEP_MS):
-            rate, stall, _ = timed(lambda: dt.Pipeline(in_place(store), batch_size=BATCH,
+            rate, stall, _, _ = timed(lambda: dt.Pipeline(in_place(store), batch_size=BATCH,
                                                        client=client), args.batches, step)
-            results["dasktrain", step] = rate, stall
-            print(f"  {'dasktrain in place':<22} C = {step:>4.0f} ms: {rate:8,.0f} samples/s, "
-                  f"stall {100 * stall:5.1f} %", flush=True)
+            print(f"  dasktrain in place, first {args.batches} batches "
+                  f"C = {step:>4.0f} ms: {rate:8,.0f} samples/s, stall {100 * stall:5.1f} %",
+                  flush=True)
         sample_bytes = (ds.zarr_array("x").dtype.itemsize *
                         (np.prod(ds.zarr_array("x").shape) + np.prod(ds.zarr_array("y").shape)))
         if not args.no_prepare:
