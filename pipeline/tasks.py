@@ -182,18 +182,33 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
         read = _read_blocks(ref, plan, group)
         left = _windows_of(context.digest, plan)[group] - 1 if keep else 0
         if left > 0:
-            with _GROUPS_LOCK:
-                _GROUPS[key], _LEFT[key] = read, left
-                while len(_GROUPS) > _GROUPS_KEEP:
-                    _LEFT.pop(next(iter(_GROUPS)), None)
-                    _GROUPS.popitem(last=False)
+            _keep_group(key, read, left)
     finally:
         if keep:
-            with _GROUPS_LOCK:
-                done = _READING.pop(key, None)
-            if done is not None:
-                done.set()
+            _read_over(key)
     return read
+
+
+def _keep_group(key: tuple[str, int], read: tuple[dict[str, np.ndarray], bool], left: int
+                ) -> None:
+    """Keep a group read for the ``left`` windows still to take its rows (the oldest kept
+    goes past the bound)."""
+    with _GROUPS_LOCK:
+        _GROUPS[key], _LEFT[key] = read, left
+        while len(_GROUPS) > _GROUPS_KEEP:
+            _LEFT.pop(next(iter(_GROUPS)), None)
+            _GROUPS.popitem(last=False)
+
+
+def _read_over(key: tuple[str, int], forget: bool = False) -> None:
+    """The read of ``key``'s group is over (``forget``: given up, as if never begun): the
+    windows that wait for it go on."""
+    with _GROUPS_LOCK:
+        if forget:
+            _STARTED.pop(key, None)
+        done = _READING.pop(key, None)
+    if done is not None:
+        done.set()
 
 
 def claim_read(context: EpochContext, group: int) -> bool:
@@ -218,30 +233,17 @@ def read_ahead(context: EpochContext, group: int) -> None:
     try:
         ref, plan, _ = context.open()
         read = _read_blocks(ref, plan, group)
-        windows = _windows_of(context.digest, plan)[group]
-        with _GROUPS_LOCK:
-            _GROUPS[key], _LEFT[key] = read, windows
-            while len(_GROUPS) > _GROUPS_KEEP:
-                _LEFT.pop(next(iter(_GROUPS)), None)
-                _GROUPS.popitem(last=False)
+        _keep_group(key, read, _windows_of(context.digest, plan)[group])
     except BlockFailed:
-        drop_claim(context, group)
+        _read_over(key, forget=True)
     finally:
-        with _GROUPS_LOCK:
-            done = _READING.pop(key, None)
-        if done is not None:
-            done.set()
+        _read_over(key)
 
 
 def drop_claim(context: EpochContext, group: int) -> None:
     """Give up a read claimed with :func:`claim_read` (cancelled, or failed): the windows
     that wait for it, or ask later, read the group themselves."""
-    key = (context.digest, group)
-    with _GROUPS_LOCK:
-        _STARTED.pop(key, None)
-        done = _READING.pop(key, None)
-    if done is not None:
-        done.set()
+    _read_over((context.digest, group), forget=True)
 
 
 def forget_groups(token: str) -> None:
