@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import stat
@@ -14,6 +15,7 @@ import pytest
 import dasktrain as dt
 from dasktrain.datasets.atomic import StagedDirectory
 from dasktrain.trainer.driver.checkpoint import load_checkpoint, save_checkpoint
+from dasktrain.trainer.driver.resume import checkpoint_history
 from dasktrain.trainer.driver.run import FitRun
 from dasktrain.trainer.driver.update_log import UpdateLog, split_kinds
 from dasktrain.trainer.exchange.handle import HolderHandle
@@ -175,13 +177,12 @@ def test_a_bounded_history_keeps_the_last_updates_and_counts_the_whole_run(
         trainer(history_updates=0)
 
 
-def test_a_state_of_the_next_epoch_is_written_after_the_boundary_before_it(
-        client, regression, tmp_path, caplog):
-    """The driver's last poll of an epoch may bring a mid-epoch state of the next one (the
-    holder went on while the driver learned of the end): it is written only after the
-    boundary of the epoch before, never overwritten by that older state. Driven step by
-    step: this test pushes as the fit's one worker, and the driver's run polls."""
-    caplog.set_level("INFO", logger="dasktrain.trainer.driver.run")
+@contextlib.contextmanager
+def _driven_into_epoch_1(client, regression, tmp_path):
+    """A fit's run whose one worker (this test) pushes two updates of epoch 0 and one of
+    epoch 1, the driver polling between them, until it holds a state of epoch 1 while
+    epoch 0's boundary is not yet taken: the holder went on while the driver learned of
+    the end."""
     worker = WorkerConfig(model=functools.partial(zeros, 4), compute=BatchCompute(mse),
                           data=regression, workers=1, batch_size=16, pipeline_options={},
                           timeout=30)
@@ -203,14 +204,41 @@ def test_a_state_of_the_next_epoch_is_written_after_the_boundary_before_it(
         handle.wait(handle.push(info["version"], grads, 16, 0.1, (1, 1)), "a push")
         run.poll()  # writes the state at version 2, asks for the next: epoch 1's
         run.poll()  # brings the state at version 3, of epoch 1
-        _, boundary = run.boundary(0)
-        run.save(complete_epochs=1, holder_state=boundary)
+        yield run
     finally:
         handle.close()
         run.close()
+
+
+def test_a_state_of_the_next_epoch_is_written_after_the_boundary_before_it(
+        client, regression, tmp_path, caplog):
+    """The driver's last poll of an epoch may bring a mid-epoch state of the next one: it
+    is written only after the boundary of the epoch before, never overwritten by that
+    older state. Driven step by step: this test pushes as the fit's one worker, and the
+    driver's run polls."""
+    caplog.set_level("INFO", logger="dasktrain.trainer.driver.run")
+    with _driven_into_epoch_1(client, regression, tmp_path) as run:
+        _, boundary = run.boundary(0)
+        run.save(complete_epochs=1, holder_state=boundary)
     assert _saved_versions(caplog) == [2, 2, 3]  # mid-epoch 0, its boundary, mid-epoch 1
     state = load_checkpoint(tmp_path / "run")
     assert (state["holder"]["version"], state["complete_epochs"]) == (3, 1)
+
+
+def test_a_state_of_the_next_epoch_written_as_the_holder_is_lost_keeps_a_record_per_epoch(
+        client, regression, tmp_path):
+    """The holder lost before the driver took epoch 0's boundary: the state of epoch 1 it
+    handed over is written (it counts epoch 0 complete), and epoch 0, whose end the driver
+    never recorded, has a record that says so. A resume's History has one per epoch (it
+    had none for epoch 0, a flake of the killed-holder resume with holder shards)."""
+    with _driven_into_epoch_1(client, regression, tmp_path) as run, \
+            pytest.raises(dt.HolderLost, match="died at version"):
+        run._holder_lost()  # what the driver does on finding the holder's worker gone
+    state = load_checkpoint(tmp_path / "run")
+    assert (state["holder"]["version"], state["complete_epochs"]) == (3, 1)
+    history = checkpoint_history(state, tmp_path / "run")
+    assert [r["epoch"] for r in history.epochs] == [0]
+    assert "lost before the driver recorded" in history.epochs[0]["unrecorded"]
 
 
 def test_the_update_log_keeps_what_a_checkpoint_counts_on(tmp_path):

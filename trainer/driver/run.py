@@ -543,10 +543,26 @@ class FitRun:
             if int(state["epoch"]) > self.epoch and ask_next:
                 return  # written after the boundary save (see save)
             self._deferred = None
+            self._record_unrecorded(int(state["epoch"]), int(state["version"]))
             self.save(complete_epochs=None, holder_state=state)
             start = int(state["version"])
         if ask_next:
             self._pending_state = self._handle.call("state_at", start + self.checkpoint_every)
+
+    def _record_unrecorded(self, epoch: int, version: int) -> None:
+        """A state of ``epoch`` written when the holder is lost counts the epochs before it
+        as complete, some of whose ends the driver had yet to record: each gets a record
+        that says so, so that a resumed History still has one per epoch."""
+        recorded = {int(r["epoch"]) for r in self.history.epochs}
+        for missing in range(self.epoch, epoch):
+            if missing in recorded:
+                continue
+            record = {"epoch": missing, "unrecorded": "the parameter holder was lost before "
+                      "the driver recorded this epoch's end (its updates are in the "
+                      "History's per-update records)"}
+            self.history.epochs.append(record)
+            if self._log is not None:
+                self._log.append_items("epoch_record", [record], version)
 
     def save(self, complete_epochs: int | None,
              holder_state: dict[str, Any] | None = None) -> None:
