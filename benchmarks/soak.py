@@ -8,12 +8,12 @@ TensorBoard loggers on. The fit runs until ``--minutes`` have passed (a callback
 it after the current epoch), on an embedded LocalCluster of 2 processes on 127.0.0.1.
 
 After every epoch a callback samples: the epoch's wall time; the resident memory, open file
-descriptors and threads of the driver (which runs the scheduler too) and of each worker
-process; the checkpoint file's size and its run log's; the History's entries (counted,
-not copied); and the parameter holder's footprint
-(:mod:`dasktrain.trainer.holder.footprint`: records and events not yet reported, waiters,
-per-epoch and per-worker tables). ``--history-updates N`` runs it with
-``Trainer(history_updates=N)``, the History's records bounded.
+descriptors and threads of the driver (which runs the scheduler too, unless
+``--scheduler-apart`` starts it in a process of its own) and of each worker process; the
+checkpoint file's size and its run log's; the History's entries (counted, not copied); and
+the parameter holder's footprint (:mod:`dasktrain.trainer.holder.footprint`: records and
+events not yet reported, waiters, per-epoch and per-worker tables). ``--history-updates
+N`` runs it with ``Trainer(history_updates=N)``, the History's records bounded.
 
 The report compares, for each series, the median of the first 10 % of the epochs after the
 warm-up (the first ``--warmup`` epochs) with the median of the last 10 %: "flat" where the
@@ -85,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--history-updates", type=int, default=None, metavar="N",
                         help="Trainer(history_updates=N): keep the last N updates' records "
                              "in the History (default: every update's)")
+    parser.add_argument("--scheduler-apart", action="store_true",
+                        help="run the scheduler in a process of its own (the embedded "
+                             "cluster's runs in the driver's), to tell the client's memory "
+                             "from the scheduler's")
     parser.add_argument("--rows-json", metavar="PATH",
                         help="also write every epoch's samples there")
     return parse_with_quick(parser, argv, QUICK, "about 40 s: a check that it runs")
@@ -126,6 +130,10 @@ def _scheduler_kept(dask_scheduler: Any) -> tuple[int, int]:
     return len(held | {id(g) for g in dask_scheduler.task_groups.values()}), len(kept)
 
 
+def _rss(dask_scheduler: Any = None) -> int:
+    return psutil.Process().memory_info().rss
+
+
 def _given_back(dask_worker: Any = None) -> tuple[int, int]:
     """This process's resident memory before and after its allocators give back what they
     keep freed (see dasktrain._malloc): what of a growth was memory held for reuse."""
@@ -163,8 +171,10 @@ class Sampler(dt.Callback):
 
     steers = True
 
-    def __init__(self, client: Client, run: Path, until: float) -> None:
+    def __init__(self, client: Client, run: Path, until: float,
+                 scheduler_apart: bool = False) -> None:
         self.client = client
+        self.scheduler_apart = scheduler_apart
         self.run = run
         self.until = until
         self.rows: list[dict[str, float]] = []
@@ -177,6 +187,8 @@ class Sampler(dt.Callback):
             "epoch": record["epoch"], "epoch wall (s)": record["wall_s"],
             "driver garbage collection (s)": self.garbage.take(),
             "Dask task groups (count)": groups, "Dask spans (count)": spans}
+        if self.scheduler_apart:
+            row["scheduler RSS (MiB)"] = self.client.run_on_scheduler(_rss) / 2**20
         memory = self.driver.memory_info().rss
         row |= {"driver RSS (MiB)": memory / 2**20, "driver fds (count)": self.driver.num_fds(),
                 "driver threads (count)": self.driver.num_threads()}
@@ -260,8 +272,18 @@ def run(args: argparse.Namespace, where: Path) -> tuple[list[dict[str, float]], 
     # The embedded cluster's worker environment (its allocator settings), as a user of the
     # default gets it; the nannies read it as they are made.
     with worker_malloc_settings():
-        cluster = LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
-                               host="127.0.0.1", **NO_DASHBOARD)
+        if args.scheduler_apart:
+            from distributed.deploy.subprocess import SubprocessCluster
+
+            # Its processes write their logs to pipes that nobody reads: a full pipe stops
+            # the scheduler. Only errors, then.
+            os.environ["DASK_LOGGING__DISTRIBUTED"] = "error"
+            cluster = SubprocessCluster(host="127.0.0.1", n_workers=2, threads_per_worker=2,
+                                        dashboard_address=None,
+                                        scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
+        else:
+            cluster = LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
+                                   host="127.0.0.1", **NO_DASHBOARD)
     with cluster, Client(cluster) as client:
         data = dt.prepare("regression", where / "data.zarr", client=client, progress=False,
                           samples=ROWS, width=16, split="train=0.9,val=0.1")
@@ -272,7 +294,8 @@ def run(args: argparse.Namespace, where: Path) -> tuple[list[dict[str, float]], 
                              history_updates=args.history_updates, torch_threads=1,
                              progress=False)
         started = time.monotonic()
-        sampler = Sampler(client, run_dir, started + args.minutes * 60)
+        sampler = Sampler(client, run_dir, started + args.minutes * 60,
+                          scheduler_apart=args.scheduler_apart)
         trainer.fit(data.split("train"), epochs=1_000_000, validation=data.split("val"),
                     client=client, checkpoint=run_dir / "checkpoint",
                     callbacks=[dt.JsonLinesLogger(run_dir / "metrics.jsonl"),
@@ -283,7 +306,9 @@ def run(args: argparse.Namespace, where: Path) -> tuple[list[dict[str, float]], 
         kept = ("every update's records" if args.history_updates is None
                 else f"history_updates={args.history_updates}")
         setup = (f"{ROWS:,} rows, async, 2 workers x batch {BATCH}, a checkpoint every "
-                 f"{CHECKPOINT_EVERY} updates, {kept}, {os.cpu_count()} CPUs")
+                 f"{CHECKPOINT_EVERY} updates, {kept}, {os.cpu_count()} CPUs"
+                 + (", the scheduler in a process of its own" if args.scheduler_apart
+                    else ""))
         setup += "; at the end, each worker's memory given back by its allocators: " + \
             ", ".join(f"{(b - a) / 2**20:.0f} MiB of {b / 2**20:.0f}"
                       for b, a in given.values())
