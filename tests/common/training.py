@@ -7,6 +7,7 @@ import functools
 import os
 import signal
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -99,16 +100,25 @@ def nan_on(output: torch.Tensor, target: torch.Tensor, special: float) -> torch.
 _CALLS: collections.Counter = collections.Counter()
 
 
-def alive_workers(client, workers: int) -> list[str]:
-    """The cluster's worker addresses, sorted, once at least ``workers`` of them run. The
-    nanny restarts a process a test killed; should that restart not arrive within 30 s (one
-    was seen to hang on a loaded machine), a new worker process takes its place."""
-    try:
-        client.wait_for_workers(workers, timeout=30)
-    except TimeoutError:
-        client.cluster.scale(len(client.cluster.worker_spec) + 1)
-        client.wait_for_workers(workers, timeout=90)
-    return sorted(worker_info(client))
+def alive_workers(client, workers: int, gone: Collection[str] = ()) -> list[str]:
+    """The cluster's worker addresses, sorted, once at least ``workers`` of them run and none
+    of ``gone`` (processes a test killed) is among them: the scheduler may still list a
+    killed process for a moment after the run that killed it has failed. The nanny restarts
+    a process a test killed; should that restart not arrive within 30 s (one was seen to hang
+    on a loaded machine), a new worker process takes its place."""
+    scaled = False
+    started = time.monotonic()
+    while True:
+        addresses = sorted(a for a in worker_info(client) if a not in gone)
+        if len(addresses) >= workers:
+            return addresses
+        waited = time.monotonic() - started
+        if waited > 30 and not scaled:
+            client.cluster.scale(len(client.cluster.worker_spec) + 1)
+            scaled = True
+        if waited > 120:
+            raise TimeoutError(f"{workers} live workers not back in 120 s: {addresses}")
+        time.sleep(0.1)  # a poll of the scheduler's list, bounded above
 
 
 def kill_once(output: torch.Tensor, target: torch.Tensor, marker: str, calls: int,
