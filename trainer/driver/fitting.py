@@ -249,8 +249,8 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
                                             range(max(shares, default=-1) + 1)]
         if validation is not None:
             record["validation"] = trainer.evaluate(validation, client=client)
-        run.record_epoch(record)
-        run.show_epoch(record)
+        run.records.record_epoch(record)
+        run.records.show_epoch(record)
         history.wall_time = time.perf_counter() - started
         for callback in callbacks:  # before the save: their state goes in with it
             callback.on_epoch_end(trainer, record)
@@ -258,7 +258,7 @@ def _run_epochs(trainer: FitHost, run: FitRun, client: Client, state: dict[str, 
         # rate factor): the state to keep is its own now, which save takes (None).
         run.save(complete_epochs=epoch + 1, holder_state=holder_state)
         if trainer.stop_training:
-            run.add_events([f"training stopped after epoch {epoch} by a callback"])
+            run.records.add_events([f"training stopped after epoch {epoch} by a callback"])
             break
         if steered and epoch + 1 < epochs:
             run.queue(epoch + 1)

@@ -19,15 +19,15 @@ Checkpoints never go backwards: a mid-epoch state of the next epoch, polled befo
 boundary of this one was saved, waits for that save, and a save older than the last one
 written is refused.
 
-:class:`FitRun` stays one piece of some 520 lines: its methods are the steps of one run
+:class:`FitRun` stays one piece of some 470 lines: its methods are the steps of one run
 that all read and move the same state (the holder's handle and liveness, the fit's tasks,
-the progress and checkpoint marks polled from the holder), and the failure paths between
-them (a lost holder, a failed worker) need all of it at once.
+the checkpoint marks polled from the holder), and the failure paths between them (a lost
+holder, a failed worker) need all of it at once. What the run records (the History, its
+log, the progress bar) is :mod:`.run_records`'.
 """
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import logging
 import time
@@ -47,7 +47,7 @@ from dasktrain.pipeline import Pipeline
 from dasktrain.trainer.driver.checkpoint import save_checkpoint
 from dasktrain.trainer.driver.elastic import WorkerPlaces, replica_hosts
 from dasktrain.trainer.driver.loadable import check_loadable
-from dasktrain.trainer.driver.update_log import KINDS, UpdateLog
+from dasktrain.trainer.driver.run_records import RunRecords
 from dasktrain.trainer.driver.watch import trainer_watch
 from dasktrain.trainer.errors import (
     HolderLost,
@@ -90,20 +90,10 @@ class FitRun:
         self.checkpoint_every = checkpoint_every
         self.checkpoint_extra = checkpoint_extra
         self.storage_options = storage_options  # fsspec's, for a checkpoint at a URL
-        self.history = history
-        self.progress = progress
-        self.on_records = on_records
-        self.epoch_summary: dict[str, str] = {}  # the last epoch's metrics, on the bar
+        self.records = RunRecords(history, checkpoint, storage_options, progress, on_records)
         self.last_checkpoint: Path | None = None
         self._saved = (-1, -1)  # (version, complete epochs) of the last checkpoint written
         self._pending_state: Any = None  # the holder's state_at call for the next checkpoint
-        self._warned: set[tuple[str, str]] = set()
-        self._log: UpdateLog | None = None
-        if checkpoint:  # what a resumed run recorded so far starts the run's log
-            self._log = UpdateLog(checkpoint, storage_options=storage_options)
-            self._log.rewrite(history.records(), {name: getattr(history, name)
-                                                  for name in KINDS.values()},
-                              version=history.version[-1] if history.version else 0)
         self._deferred: dict[str, Any] | None = None  # a state ahead of the boundary saved
         self._pauses = trainer_watch(client)
         self._plans: Pipeline | None = None
@@ -116,7 +106,6 @@ class FitRun:
         self.epoch_state = "idle"  # the holder's epoch machine's, or "short" of workers
         self.applied_samples: int | None = None  # what the holder applied in the epoch
         self.applied_loss: float | None = None  # their mean loss
-        self._boundary_version = 0  # the version at the last epoch boundary taken
         workers = worker_info(client)
         if not workers:
             raise TrainerError("the Dask cluster has no workers")
@@ -290,7 +279,7 @@ class FitRun:
         state then where the run checkpoints (None where callbacks steer: the state to
         keep is the holder's once they returned)."""
         state = self.call("boundary", epoch)
-        self._boundary_version = int(state["version"])
+        self.records.boundary_version = int(state["version"])
         values = torch.cat([state["params"], state["buffers"]]).numpy()
         return values, (state if self._keep == "state" else None)
 
@@ -397,14 +386,14 @@ class FitRun:
             report = future.result(timeout=_GATHER)
         except TimeoutError:
             self.client.cancel(future)
-            self.add_events([f"worker {worker}: its task's answer was lost with its Dask "
-                             "worker"])
+            self.records.add_events([f"worker {worker}: its task's answer was lost with its "
+                                     "Dask worker"])
             return []
         except (FutureCancelledError, Exception) as exc:
             if type(exc).__name__ == "KilledWorker":
                 # Its process died more often than Dask retries; the others carry on, and
                 # the barrier must not wait for it any longer.
-                self.add_events([f"worker {worker} given up: {exc}"])
+                self.records.add_events([f"worker {worker} given up: {exc}"])
                 self.call(give_up, worker, "its task was given up (KilledWorker)")
                 return []
             failure = WorkerFailure(exc, "")  # Dask's own (cancelled, lost): no traceback
@@ -442,24 +431,13 @@ class FitRun:
         """Fetch the holder's progress into the History; checkpoint when it is time."""
         progress = self.call("progress")
         self.version = progress["version"]
-        claims = [[progress["epoch"], *c] for c in progress["claims"]]
-        # The claims first: extending by the records lets go of the claims of updates let
-        # go (history_updates), these included.
-        self.history.claims.extend(claims)
-        self.history.extend(progress["records"])
-        if self._log is not None:
-            self._log.append(progress["records"])
-            self._log.append_items("claim", claims, self.version)
-        self.add_events(progress["events"])
-        self.history.fenced_calls = int(progress.get("fenced", 0))
+        self.records.take(progress)
         self.epoch_state = progress.get("epoch_state", "running")
         self.holder_epoch = int(progress["epoch"])
         self.shares = {int(w): int(n) for w, n in progress["shares"].items()}
         self.member_addresses = {int(w): a for w, a in progress["addresses"].items() if a}
         self.member_states = {int(w): s for w, s in progress["members"].items()}
         self.work_left = progress["work_left"]
-        self.history.refused_gradients = progress["refused"]
-        self._forward(progress["notices"])
         if progress["diverged"] is not None:
             raise TrainingDiverged(progress["diverged"])
         if isinstance(progress.get("error"), ShardedWorkerLost):
@@ -467,48 +445,9 @@ class FitRun:
         # The liveness check before the progress call has just fetched the workers.
         self._pauses.check(self.version, f"training (epoch {progress['epoch']})",
                            self._handle.last_workers)
-        if self.progress is not None and progress["records"]["loss"]:
-            records = progress["records"]
-            self.progress.update(len(records["loss"]))
-            self.progress.set_postfix(epoch=progress["epoch"], loss=f"{records['loss'][-1]:.4g}",
-                                      **self.epoch_summary)
+        self.records.show_progress(progress)
         self._take_checkpoint()
-        if self.on_records is not None and progress["records"].get("loss"):
-            self.on_records(progress["records"])
-
-    def show_epoch(self, record: dict[str, Any]) -> None:
-        """Put an epoch's training metrics (beyond the loss) and validation metrics on the
-        progress bar, where they stay until the next epoch's."""
-        shown = {k: v for k, v in (record.get("train") or {}).items() if k != "loss"}
-        shown.update({f"val_{k}": v for k, v in (record.get("validation") or {}).items()})
-        self.epoch_summary = {k: f"{v:.4g}" for k, v in shown.items()
-                              if isinstance(v, (int, float))}
-        if self.progress is not None:
-            self.progress.set_postfix(epoch=record["epoch"], **self.epoch_summary)
-
-    def _forward(self, notices: list[dict[str, Any]]) -> None:
-        """Raise the first occurrence of each worker's warning here, where it is seen."""
-        for notice in notices:
-            key = (notice["category"], notice["message"])
-            if key in self._warned:
-                continue
-            self._warned.add(key)
-            self.add_events([f"worker {notice['worker']} warned: "
-                             f"{notice['category']}: {notice['message']}"])
-            warnings.warn(f"trainer worker {notice['worker']}: {notice['message']}",
-                          _category(notice["category"]), stacklevel=2)
-
-    def add_events(self, events: list[str]) -> None:
-        """Events for the History (and the run's log)."""
-        self.history.events.extend(events)
-        if self._log is not None:
-            self._log.append_items("event", events, self.version)
-
-    def record_epoch(self, record: dict[str, Any]) -> None:
-        """An epoch's record for the History (and the run's log, as of its boundary)."""
-        self.history.epochs.append(record)
-        if self._log is not None:
-            self._log.append_items("epoch_record", [record], self._boundary_version)
+        self.records.hand_on(progress)
 
     def _take_checkpoint(self, ask_next: bool = True) -> None:
         """Write the state the holder captured at the last ``checkpoint_every`` mark, and
@@ -543,26 +482,12 @@ class FitRun:
             if int(state["epoch"]) > self.epoch and ask_next:
                 return  # written after the boundary save (see save)
             self._deferred = None
-            self._record_unrecorded(int(state["epoch"]), int(state["version"]))
+            self.records.record_unrecorded(self.epoch, int(state["epoch"]),
+                                           int(state["version"]))
             self.save(complete_epochs=None, holder_state=state)
             start = int(state["version"])
         if ask_next:
             self._pending_state = self._handle.call("state_at", start + self.checkpoint_every)
-
-    def _record_unrecorded(self, epoch: int, version: int) -> None:
-        """A state of ``epoch`` written when the holder is lost counts the epochs before it
-        as complete, some of whose ends the driver had yet to record: each gets a record
-        that says so, so that a resumed History still has one per epoch."""
-        recorded = {int(r["epoch"]) for r in self.history.epochs}
-        for missing in range(self.epoch, epoch):
-            if missing in recorded:
-                continue
-            record = {"epoch": missing, "unrecorded": "the parameter holder was lost before "
-                      "the driver recorded this epoch's end (its updates are in the "
-                      "History's per-update records)"}
-            self.history.epochs.append(record)
-            if self._log is not None:
-                self._log.append_items("epoch_record", [record], version)
 
     def save(self, complete_epochs: int | None,
              holder_state: dict[str, Any] | None = None) -> None:
@@ -584,13 +509,9 @@ class FitRun:
                 "at version %d (%d) is newer", version, complete_epochs, *self._saved)
             return
         extra = self.checkpoint_extra()
-        if self._log is not None:
-            self._log.sync()
-        # Of constant size: what grows with the run is in the run's log (see update_log).
-        summary = self.history.to_dict(per_update=False, empty=KINDS.values())
         self.last_checkpoint = save_checkpoint(self.checkpoint, {
             "holder": holder_state, "complete_epochs": complete_epochs,
-            "history": summary, **extra}, storage_options=self.storage_options)
+            "history": self.records.summary(), **extra}, storage_options=self.storage_options)
         self._saved = (version, complete_epochs)
         logger.info("checkpoint at version %d: %s", version, self.last_checkpoint)
         if boundary:
@@ -627,13 +548,6 @@ class FitRun:
 def _roomiest(workers: dict[str, dict[str, Any]]) -> str:
     """The worker with the most memory (actor state is not spillable), first by address."""
     return max(sorted(workers), key=lambda a: workers[a].get("memory_limit") or 0)
-
-
-def _category(name: str) -> type[Warning]:
-    """The built-in warning class of that name (so users' filters apply), else
-    UserWarning."""
-    found = getattr(builtins, name, None)
-    return found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
 
 
 def _warn_if_oversubscribed(config: WorkerConfig, workers: dict[str, dict[str, Any]]) -> None:
