@@ -50,7 +50,8 @@ Sleeping releases the CPU, as a slow GPU or a slow node would. The run reports t
 straggler's share of the last quarter of each epoch's gradients in ``async``, to show it
 took effect.
 
-For every mode (defaults first, then the options of :mod:`dasktrain.trainer.modes.adjust`:
+For every mode (defaults first, ``average`` at its K = 10 and then at K = 4, then the
+options of :mod:`dasktrain.trainer.modes.adjust`:
 staleness-scaled learning rate, delay compensation DC-ASGD with constant and adaptive λ;
 then ``async`` without its momentum compensation, and "as before": without it and at W
 times the rate, one full step per gradient, which is what ``async`` did before the rate
@@ -122,6 +123,7 @@ ASSIGNMENT = "assignment"  # a key of a configuration's options: the Trainer's a
 # then the momentum compensation off, and off with the step per gradient of before.
 CONFIGS: list[tuple[str, str, dict[str, Any]]] = [
     ("sync", "sync", {}),
+    ("average", "average", {}),  # K = 10, its default
     ("average K=4", "average", {"average_every": 4}),
     ("soft S=2", "soft", {"wait_for": WORKERS - 1}),
     ("ssp s=2", "ssp", {"staleness_bound": 2}),
