@@ -148,11 +148,19 @@ class FitRun:
         self._handle: HolderHandle | HolderShards = (
             HolderHandle(actors[0], timeout, client) if shards == 1 else
             HolderShards(actors, timeout, client))
-        self.version = 0
         self._alive_at = float("-inf")  # when the holder was last seen alive
         self._fit_tasks: dict[Future, int] = {}  # tasks that last the fit, and their worker
         self._started = False  # the fit's tasks were started
         self.steered = False  # callbacks hold each next epoch: the holder's state is taken then
+
+    @property
+    def version(self) -> int:
+        """The holder's version as last seen (what the run's log files events under)."""
+        return self.records.version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self.records.version = version
 
     def _await_holder(self, future: Future, target: str, timeout: float) -> Any:
         """The holder actor once it is built, failing within seconds if its worker is
@@ -430,7 +438,6 @@ class FitRun:
     def poll(self) -> None:
         """Fetch the holder's progress into the History; checkpoint when it is time."""
         progress = self.call("progress")
-        self.version = progress["version"]
         self.records.take(progress)
         self.epoch_state = progress.get("epoch_state", "running")
         self.holder_epoch = int(progress["epoch"])
