@@ -101,15 +101,18 @@ _CALLS: collections.Counter = collections.Counter()
 
 
 def alive_workers(client, workers: int, gone: Collection[str] = ()) -> list[str]:
-    """The cluster's worker addresses, sorted, once at least ``workers`` of them run and none
-    of ``gone`` (processes a test killed) is among them: the scheduler may still list a
-    killed process for a moment after the run that killed it has failed. The nanny restarts
-    a process a test killed; should that restart not arrive within 30 s (one was seen to hang
-    on a loaded machine), a new worker process takes its place."""
+    """The cluster's worker addresses, sorted, once at least ``workers`` of them run and
+    answer: the scheduler may still list a process a test killed for a moment after the
+    run that killed it has ended, so each listed worker is asked for its process id (a dead
+    one refuses the connection at once), and none of ``gone`` is taken. The nanny restarts
+    a process a test killed; should that restart not arrive within 30 s (one was seen to
+    hang on a loaded machine), a new worker process takes its place."""
     scaled = False
     started = time.monotonic()
     while True:
-        addresses = sorted(a for a in worker_info(client) if a not in gone)
+        listed = sorted(a for a in worker_info(client) if a not in gone)
+        answers = client.run(os.getpid, workers=listed, on_error="return") if listed else {}
+        addresses = sorted(a for a, pid in answers.items() if isinstance(pid, int))
         if len(addresses) >= workers:
             return addresses
         waited = time.monotonic() - started
