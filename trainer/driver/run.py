@@ -23,7 +23,7 @@ written is refused.
 that all read and move the same state (the holder's handle and liveness, the fit's tasks,
 the checkpoint marks polled from the holder), and the failure paths between them (a lost
 holder, a failed worker) need all of it at once. What the run records (the History, its
-log, the progress bar) is :mod:`.run_records`'.
+log, the progress bar) lives in :mod:`.run_records`.
 """
 
 from __future__ import annotations
