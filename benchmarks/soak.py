@@ -62,9 +62,9 @@ FLAT = 0.05
 #: Absolute margins below which a change is noise, whatever its share: memory moves by
 #: allocator pages, counts by one or two at a sampling moment.
 MARGIN = {"MiB": 8.0, "count": 2.0, "KiB": 4.0, "s": 0.002}
-#: Descriptors step by a few at a busy moment: Dask's connection pools open a connection
-#: per concurrent call to an address and keep it (a step, bounded by the pool, that a
-#: half-minute run can catch between its tenths; 20-minute runs keep them flat).
+#: Descriptors can step by a few at a busy moment (Dask's connection pools open a
+#: connection per concurrent call to an address and keep it: bounded by the pool). A
+#: half-minute run in CI caught the driver at 49, then 52; 20-minute runs keep them flat.
 FDS_MARGIN = 4.0
 #: Series that grow by design, and why.
 BY_DESIGN = {
