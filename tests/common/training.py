@@ -7,7 +7,6 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -100,17 +99,17 @@ def nan_on(output: torch.Tensor, target: torch.Tensor, special: float) -> torch.
 _CALLS: collections.Counter = collections.Counter()
 
 
-def alive_workers(client, workers: int, gone: Collection[str] = ()) -> list[str]:
+def alive_workers(client, workers: int) -> list[str]:
     """The cluster's worker addresses, sorted, once at least ``workers`` of them run and
     answer: the scheduler may still list a process a test killed for a moment after the
     run that killed it has ended, so each listed worker is asked for its process id (a dead
-    one refuses the connection at once), and none of ``gone`` is taken. The nanny restarts
+    one refuses the connection at once). The nanny restarts
     a process a test killed; should that restart not arrive within 30 s (one was seen to
     hang on a loaded machine), a new worker process takes its place."""
     scaled = False
     started = time.monotonic()
     while True:
-        listed = sorted(a for a in worker_info(client) if a not in gone)
+        listed = sorted(worker_info(client))
         answers = client.run(os.getpid, workers=listed, on_error="return") if listed else {}
         addresses = sorted(a for a, pid in answers.items() if isinstance(pid, int))
         if len(addresses) >= workers:
