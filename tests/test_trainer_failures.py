@@ -9,6 +9,8 @@ backward."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import time
 
 import pytest
@@ -17,7 +19,16 @@ from distributed import Client, LocalCluster
 
 import dasktrain as dt
 from dasktrain._cluster import worker_info
-from tests.common.training import alive_workers, flat_parameters, kill_once, mlp, mse
+from dasktrain.trainer.exchange.handle import HolderHandle
+from dasktrain.trainer.holder import ParameterHolder
+from tests.common.training import (
+    alive_workers,
+    flat_parameters,
+    kill_once,
+    mlp,
+    mse,
+    zeros_holder,
+)
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +156,25 @@ def test_a_trainer_worker_killed_beside_holder_shards_stops_the_fit_for_a_resume
         history = resumed.fit(data, epochs=2, client=client, resume=run)
     assert [e["epoch"] for e in history.epochs] == [0, 1]
     assert torch.isfinite(flat_parameters(resumed.model)).all()
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_call_started_after_the_holders_worker_is_known_lost_says_holder_lost(
+        cluster_client):
+    """Dask's actor refuses a call once its worker is lost (RuntimeError); the driver's
+    handle says HolderLost, which the fit turns into its resume hint (a holder lost at an
+    epoch's boundary, as the next checkpoint mark is asked for, failed with Dask's error)."""
+    holder = _holder_address(cluster_client)
+    future = cluster_client.submit(ParameterHolder, zeros_holder(4, workers=1, mode="sync"),
+                                   actor=True, workers=[holder])
+    handle = HolderHandle(future.result(), 30, cluster_client)
+    cluster_client.run(_kill_self, workers=[holder], on_error="ignore")
+    deadline = time.monotonic() + 60
+    while future.status == "finished":  # until the scheduler has let the worker go
+        assert time.monotonic() < deadline, "the holder's worker was never found lost"
+        time.sleep(0.05)
+    with pytest.raises(dt.HolderLost, match="died"):
+        handle.call("state_at", 10)

@@ -494,7 +494,11 @@ class FitRun:
             self.save(complete_epochs=None, holder_state=state)
             start = int(state["version"])
         if ask_next:
-            self._pending_state = self._handle.call("state_at", start + self.checkpoint_every)
+            try:
+                self._pending_state = self._handle.call("state_at",
+                                                        start + self.checkpoint_every)
+            except HolderLost:  # lost at the boundary: what it handed over is written
+                self._holder_lost()
 
     def save(self, complete_epochs: int | None,
              holder_state: dict[str, Any] | None = None) -> None:

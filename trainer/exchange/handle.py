@@ -303,7 +303,11 @@ class HolderHandle:
             # Issue and await the actor call on the worker's event loop: one thread hop
             # there and one back, instead of two each way through ActorFuture.result().
             return self._on_loop(self._remote(method, args), method)
-        return getattr(self.actor, method)(*args)
+        try:
+            return getattr(self.actor, method)(*args)
+        except RuntimeError as exc:  # Dask's actor, once its worker is known lost
+            raise HolderLost(f"the parameter holder's worker {self.address} died: "
+                             f"{exc}") from exc
 
     def _on_loop(self, coroutine: Any, method: str) -> Any:
         try:
