@@ -77,6 +77,17 @@ def test_one_task_per_worker_trains_every_epoch(client, regression):
         assert all(w["gap_s"] is not None and w["gap_s"] >= 0 for w in record["per_worker"])
 
 
+@pytest.mark.filterwarnings("ignore:3 trainer workers on a cluster of 2:UserWarning")
+def test_the_holder_goes_beside_the_fewest_trainer_tasks(client, regression):
+    """Three trainers on two processes: two share one, and the holder, whose updates are
+    serial, goes to the other (beside one trainer, not two: seen from the exchange's
+    ways, one local and two over the channel)."""
+    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode="async", workers=3,
+                         batch_size=16, progress=False)
+    history = trainer.fit(regression, epochs=1, client=client)
+    assert history.epochs[0]["exchange_via"] == {"local": 1, "direct": 2}
+
+
 @pytest.mark.parametrize("steers", [False, True], ids=["looks", "steers"])
 def test_callbacks_see_each_epochs_end_exactly(client, regression, steers):
     """A callback that only looks runs while the next epoch trains, one that may steer

@@ -10,6 +10,7 @@ are here; :class:`~dasktrain.trainer.driver.run.FitRun` submits and cancels the 
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from distributed import Client
@@ -69,6 +70,12 @@ class WorkerPlaces:
         self.world = present
         return present, (f"epoch {epoch}: {present} trainer worker(s){was}" if changed
                          else None)
+
+    def expected(self) -> collections.Counter[str]:
+        """Trainer tasks each Dask worker is to run when every worker of the fit starts
+        (:meth:`start` places worker ``w`` on the ``w % n``-th of the ``n`` addresses)."""
+        return collections.Counter(self.addresses[w % len(self.addresses)]
+                                   for w in range(self.most))
 
     def _count(self, left: float) -> int:
         """The Dask workers there are, once at least the least (else wait, up to ``left``

@@ -96,8 +96,10 @@ class Trainer:
         Device of the workers' replicas; default CUDA where a worker sees a GPU, else CPU.
         When the cluster's workers declare a ``GPU`` resource, each trainer task asks for 1.
     holder_worker
-        Address of the worker to hold the parameters; default: the one with most memory.
-        With ``holder_shards``, the worker of the first shard.
+        Address of the worker to hold the parameters; default: the one with most memory,
+        then the fewest trainer tasks (its updates are serial, and share the process's
+        GIL with the trainers there). With ``holder_shards``, the worker of the first
+        shard.
     holder_shards
         Split the holder into this many actors, each keeping a slice of whole parameter
         tensors and its optimizer state, on workers spread over the cluster's hosts (see
