@@ -39,10 +39,11 @@ worker. The straggler is the trainer worker of rank ``--slow-rank`` (default 2):
 function, after computing the loss, sleeps (``--slowdown`` - 1) = 2 x the measured time of
 one step of an unhindered worker, so that its steps take 3x as long. A step is forward,
 backward and the exchange with the parameter holder (here the exchange costs more than the
-compute); the step time is the median time between updates of an untimed
-warm-up ``sync`` fit of one epoch without a straggler (then a warm-up ``average`` fit: the
-first torch optimizer a worker process builds imports ``torch._dynamo``, about 1 s, which
-would otherwise land in the first timed ``average`` fit). The loss knows it runs
+compute); the step time is the median, over three untimed ``sync`` fits of one epoch
+without a straggler, of the median time between updates, measured once the cluster is warm:
+after an untimed ``sync`` fit and an untimed ``average`` fit (the first torch optimizer a
+worker process builds imports ``torch._dynamo``, about 1 s, which would otherwise land in
+the first timed ``average`` fit). The loss knows it runs
 in the straggler from the trainer task it is called in (``trainer_place()``, the worker and
 epoch of the trainer task whose thread calls it): no global state, and the same loss object
 serves every worker; ``Trainer.evaluate`` runs in no trainer task and never sleeps.
@@ -159,6 +160,7 @@ EXTRA: list[tuple[str, str, dict[str, Any]]] = [
     ("ssp s=2, as before", "ssp", {"staleness_bound": 2, "momentum_compensation": False,
                                    LR_FACTOR: WORKERS}),
 ]
+CALIBRATION_FITS = 3  # sync fits of one epoch whose median step sets the straggler's delay
 QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144, "only": ["average K=4", "async"]}
 
 
@@ -552,13 +554,18 @@ def main() -> None:
         t0 = time.perf_counter()
         first = args.optimizer[0]
         first_lr = args.lr or LR[(args.task, first)]
-        warm, _, _ = fit(client, data, "sync", {}, first_lr, 1, StragglerLoss(task=args.task),
-                         args.model, first)
-        step_s = step_time(warm)
+        fit(client, data, "sync", {}, first_lr, 1, StragglerLoss(task=args.task),
+            args.model, first)
         # The first torch optimizer a process builds imports torch._dynamo (about 1 s): in
         # ``average`` the workers build one, so warm that up too, untimed.
         fit(client, data, "average", {}, first_lr, 1, StragglerLoss(task=args.task),
             args.model, first)
+        # The step measured on the warm cluster: the first fit's steps are up to 1.3x
+        # longer, which made the straggler slower than --slowdown says.
+        step_s = statistics.median(
+            step_time(fit(client, data, "sync", {}, first_lr, 1,
+                          StragglerLoss(task=args.task), args.model, first)[0])
+            for _ in range(CALIBRATION_FITS))
         delay_s = (args.slowdown - 1) * step_s
         print(f"per-batch forward+backward {compute_s * 1e3:.2f} ms; unhindered sync step "
               f"{step_s * 1e3:.2f} ms (warm-up fits {time.perf_counter() - t0:.1f} s); the "
