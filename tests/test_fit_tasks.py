@@ -78,14 +78,17 @@ def test_one_task_per_worker_trains_every_epoch(client, regression):
 
 
 @pytest.mark.filterwarnings("ignore:3 trainer workers on a cluster of 2:UserWarning")
-def test_the_holder_goes_beside_the_fewest_trainer_tasks(client, regression):
+@pytest.mark.parametrize(("workers", "ways"), [(3, {"local": 1, "direct": 2}),
+                                               (1, {"local": 1})])
+def test_the_holder_goes_beside_the_fewest_trainer_tasks(client, regression, workers, ways):
     """Three trainers on two processes: two share one, and the holder, whose updates are
     serial, goes to the other (beside one trainer, not two: seen from the exchange's
-    ways, one local and two over the channel)."""
-    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode="async", workers=3,
+    ways, one local and two over the channel). One trainer: the holder goes beside it,
+    not alone."""
+    trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode="async", workers=workers,
                          batch_size=16, progress=False)
     history = trainer.fit(regression, epochs=1, client=client)
-    assert history.epochs[0]["exchange_via"] == {"local": 1, "direct": 2}
+    assert history.epochs[0]["exchange_via"] == ways
 
 
 @pytest.mark.parametrize("steers", [False, True], ids=["looks", "steers"])

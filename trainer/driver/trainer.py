@@ -97,9 +97,9 @@ class Trainer:
         When the cluster's workers declare a ``GPU`` resource, each trainer task asks for 1.
     holder_worker
         Address of the worker to hold the parameters; default: the one with most memory,
-        then the fewest trainer tasks (its updates are serial, and share the process's
-        GIL with the trainers there). With ``holder_shards``, the worker of the first
-        shard.
+        then the fewest trainer tasks, one rather than none (its updates are serial, and
+        share the process's GIL with the trainers there). With ``holder_shards``, the
+        worker of the first shard.
     holder_shards
         Split the holder into this many actors, each keeping a slice of whole parameter
         tensors and its optimizer state, on workers spread over the cluster's hosts (see
