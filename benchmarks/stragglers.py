@@ -560,8 +560,9 @@ def main() -> None:
         # ``average`` the workers build one, so warm that up too, untimed.
         fit(client, data, "average", {}, first_lr, 1, StragglerLoss(task=args.task),
             args.model, first)
-        # The step measured on the warm cluster: the first fit's steps are up to 1.3x
-        # longer, which made the straggler slower than --slowdown says.
+        # The step measured on the warm cluster: the first fit's steps can be longer (3.3
+        # ms against 1.6-2.2 ms in one check), which made the straggler slower than
+        # --slowdown says.
         step_s = statistics.median(
             step_time(fit(client, data, "sync", {}, first_lr, 1,
                           StragglerLoss(task=args.task), args.model, first)[0])
