@@ -40,10 +40,11 @@ function, after computing the loss, sleeps (``--slowdown`` - 1) = 2 x the measur
 one step of an unhindered worker, so that its steps take 3x as long. A step is forward,
 backward and the exchange with the parameter holder (here the exchange costs more than the
 compute); the step time is the median, over three untimed ``sync`` fits of one epoch
-without a straggler, of the median time between updates, measured once the cluster is warm:
-after an untimed ``sync`` fit and an untimed ``average`` fit (the first torch optimizer a
-worker process builds imports ``torch._dynamo``, about 1 s, which would otherwise land in
-the first timed ``average`` fit). The loss knows it runs
+without a straggler (``--calibration-fits``; one with ``--quick``), of the median time
+between updates, measured once the cluster is warm: after an untimed ``sync`` fit and an
+untimed ``average`` fit (the first torch optimizer a worker process builds imports
+``torch._dynamo``, about 1 s, which would otherwise land in the first timed ``average``
+fit). The loss knows it runs
 in the straggler from the trainer task it is called in (``trainer_place()``, the worker and
 epoch of the trainer task whose thread calls it): no global state, and the same loss object
 serves every worker; ``Trainer.evaluate`` runs in no trainer task and never sleeps.
@@ -161,7 +162,8 @@ EXTRA: list[tuple[str, str, dict[str, Any]]] = [
                                    LR_FACTOR: WORKERS}),
 ]
 CALIBRATION_FITS = 3  # sync fits of one epoch whose median step sets the straggler's delay
-QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144, "only": ["average K=4", "async"]}
+QUICK = {"epochs": 2, "repeats": 1, "rows": 6_144, "only": ["average K=4", "async"],
+         "calibration_fits": 1}
 
 
 def student(task: str = "teacher", kind: str = "mlp") -> torch.nn.Module:
@@ -415,6 +417,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
                         help="learning rate of every optimizer run (default: the task's and "
                         f"optimizer's, {', '.join(f'{t} {o} {v:g}' for (t, o), v in LR.items())})")
     parser.add_argument("--slow-rank", type=int, default=WORKERS - 1)
+    parser.add_argument("--calibration-fits", type=int, default=CALIBRATION_FITS,
+                        help="sync fits of one epoch, on the warm cluster, whose median step "
+                        f"sets the straggler's sleep (default {CALIBRATION_FITS})")
     parser.add_argument("--slowdown", type=float, default=3.0,
                         help="how many times slower the straggler's steps are (default 3)")
     parser.add_argument("--window", type=int, default=3072,
@@ -532,6 +537,8 @@ def main() -> None:
     parser, args = parse_args()
     if not 0 <= args.slow_rank < WORKERS:
         parser.error(f"--slow-rank must be in [0, {WORKERS})")
+    if args.calibration_fits < 1:
+        parser.error("--calibration-fits must be at least 1")
     if args.epochs is None:
         args.epochs = EPOCHS[args.task]
     if args.task != "teacher" and args.model != "mlp":
@@ -566,7 +573,7 @@ def main() -> None:
         step_s = statistics.median(
             step_time(fit(client, data, "sync", {}, first_lr, 1,
                           StragglerLoss(task=args.task), args.model, first)[0])
-            for _ in range(CALIBRATION_FITS))
+            for _ in range(args.calibration_fits))
         delay_s = (args.slowdown - 1) * step_s
         print(f"per-batch forward+backward {compute_s * 1e3:.2f} ms; unhindered sync step "
               f"{step_s * 1e3:.2f} ms (warm-up fits {time.perf_counter() - t0:.1f} s); the "
