@@ -44,7 +44,8 @@ without a straggler (``--calibration-fits``; one with ``--quick``), of the media
 between updates, measured once the cluster is warm: after an untimed ``sync`` fit and an
 untimed ``average`` fit (the first torch optimizer a worker process builds imports
 ``torch._dynamo``, about 1 s, which would otherwise land in the first timed ``average``
-fit). The loss knows it runs
+fit). A change that shortens the step shortens the straggler's sleep with it; ``--sleep-ms``
+fixes the sleep instead, to compare runs whose steps differ. The loss knows it runs
 in the straggler from the trainer task it is called in (``trainer_place()``, the worker and
 epoch of the trainer task whose thread calls it): no global state, and the same loss object
 serves every worker; ``Trainer.evaluate`` runs in no trainer task and never sleeps.
@@ -420,6 +421,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
     parser.add_argument("--calibration-fits", type=int, default=CALIBRATION_FITS,
                         help="sync fits of one epoch, on the warm cluster, whose median step "
                         f"sets the straggler's sleep (default {CALIBRATION_FITS})")
+    parser.add_argument("--sleep-ms", type=float, default=None,
+                        help="the straggler's sleep per batch in milliseconds, instead of "
+                        "(--slowdown - 1) x the measured step: the same straggler across "
+                        "runs whose steps differ (another placement, another machine)")
     parser.add_argument("--slowdown", type=float, default=3.0,
                         help="how many times slower the straggler's steps are (default 3)")
     parser.add_argument("--window", type=int, default=3072,
@@ -539,6 +544,8 @@ def main() -> None:
         parser.error(f"--slow-rank must be in [0, {WORKERS})")
     if args.calibration_fits < 1:
         parser.error("--calibration-fits must be at least 1")
+    if args.sleep_ms is not None and not (math.isfinite(args.sleep_ms) and args.sleep_ms >= 0):
+        parser.error("--sleep-ms must be a finite number >= 0")
     if args.epochs is None:
         args.epochs = EPOCHS[args.task]
     if args.task != "teacher" and args.model != "mlp":
@@ -574,7 +581,8 @@ def main() -> None:
             step_time(fit(client, data, "sync", {}, first_lr, 1,
                           StragglerLoss(task=args.task), args.model, first)[0])
             for _ in range(args.calibration_fits))
-        delay_s = (args.slowdown - 1) * step_s
+        delay_s = (args.slowdown - 1) * step_s if args.sleep_ms is None \
+            else args.sleep_ms / 1e3
         print(f"per-batch forward+backward {compute_s * 1e3:.2f} ms; unhindered sync step "
               f"{step_s * 1e3:.2f} ms (warm-up fits {time.perf_counter() - t0:.1f} s); the "
               f"straggler (rank {args.slow_rank}) sleeps {delay_s * 1e3:.2f} ms per batch",
