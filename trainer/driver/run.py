@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,7 @@ class FitRun:
                                 "the loss, metrics, step, transform and data": worker_config},
                        workers)
         if shards == 1:
-            targets = [holder_worker or _holder_place(workers, self._places.expected())]
+            targets = [holder_worker or self._places.holder_place(workers)]
             configs = [holder_config]
         else:  # spread over the hosts (see dasktrain.trainer.holder.shards)
             targets = shard_workers(self.addresses, shards, holder_worker)
@@ -554,23 +554,6 @@ class FitRun:
                 self._handle.call(method, *args).result(timeout=10)
         except Exception:  # the holder may be the thing that failed
             logger.debug("could not %s the holder", method, exc_info=True)
-
-
-def _holder_place(workers: dict[str, dict[str, Any]], trainers: Mapping[str, int]) -> str:
-    """Where the holder goes: the worker with the most memory (actor state is not
-    spillable), then the fewest of the fit's ``trainers`` tasks, one rather than none,
-    first by address.
-
-    The holder's updates are serial and run in its process, under the GIL it shares with
-    the trainer tasks there: beside two trainer tasks instead of one (3 trainers on 2
-    processes), W3's ``async`` fits took 1.5x as long and ``sync``'s 1.2x. Beside one, its
-    exchange with that trainer stays in the process; a holder alone, its only trainer
-    elsewhere, was no faster (W3's tasks, one trainer on 2 processes)."""
-    def key(address: str) -> tuple[int, bool, int]:
-        count = trainers.get(address, 0)
-        return -(workers[address].get("memory_limit") or 0), count == 0, count
-
-    return min(sorted(workers), key=key)
 
 
 def _warn_if_oversubscribed(config: WorkerConfig, workers: dict[str, dict[str, Any]]) -> None:
