@@ -68,10 +68,13 @@ def test_the_checkpoint_keeps_no_per_update_lists_and_resume_restores_them(
     assert loaded.history.loss == history.loss
 
 
+_WRITER = "dasktrain.trainer.driver.run_checkpoints"  # the logger of the writes
+
+
 def _saved_versions(caplog) -> list[int]:
     """The versions of the checkpoints the driver wrote, in the order it wrote them."""
     return [int(r.args[0]) for r in caplog.records
-            if r.name == "dasktrain.trainer.driver.run" and r.msg.startswith("checkpoint at")]
+            if r.name == _WRITER and r.msg.startswith("checkpoint at")]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -83,7 +86,7 @@ def test_checkpoints_keep_a_constant_size_and_never_go_backwards(client, regress
     state than the one before it, although the holder runs into each next epoch while the
     driver saves the boundary of the last (a mid-epoch state of epoch e + 1 polled before
     the boundary of e was saved waits for that save)."""
-    caplog.set_level("INFO", logger="dasktrain.trainer.driver.run")
+    caplog.set_level("INFO", logger=_WRITER)
     sizes = {}
     for epochs in (2, 8):
         trainer = dt.Trainer(mlp, mse, dt.optim.sgd(0.05), mode=mode, workers=2,
@@ -216,7 +219,7 @@ def test_a_state_of_the_next_epoch_is_written_after_the_boundary_before_it(
     is written only after the boundary of the epoch before, never overwritten by that
     older state. Driven step by step: this test pushes as the fit's one worker, and the
     driver's run polls."""
-    caplog.set_level("INFO", logger="dasktrain.trainer.driver.run")
+    caplog.set_level("INFO", logger=_WRITER)
     with _driven_into_epoch_1(client, regression, tmp_path) as run:
         _, boundary = run.boundary(0)
         run.save(complete_epochs=1, holder_state=boundary)

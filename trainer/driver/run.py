@@ -15,15 +15,14 @@ The holder ends each epoch and begins the next one queued
 with a snapshot of the boundary for its validation, callbacks and checkpoint, while the
 workers train on. It queues the next epoch when the epoch starts, or only after the
 epoch-end callbacks that may steer the run (stop it, change the learning rate) returned.
-Checkpoints never go backwards: a mid-epoch state of the next epoch, polled before the
-boundary of this one was saved, waits for that save, and a save older than the last one
-written is refused.
+Which checkpoints the run writes, and when (the boundaries, and the marks every
+``checkpoint_every`` updates, never backwards), is :mod:`.run_checkpoints`' decision.
 
-:class:`FitRun` stays one piece of some 470 lines: its methods are the steps of one run
+:class:`FitRun` stays one piece of some 430 lines: its methods are the steps of one run
 that all read and move the same state (the holder's handle and liveness, the fit's tasks,
-the checkpoint marks polled from the holder), and the failure paths between them (a lost
-holder, a failed worker) need all of it at once. What the run records (the History, its
-log, the progress bar) lives in :mod:`.run_records`.
+the epoch it runs), and the failure paths between them (a lost holder, a failed worker)
+need all of it at once. What the run records (the History, its log, the progress bar)
+lives in :mod:`.run_records`.
 """
 
 from __future__ import annotations
@@ -44,9 +43,9 @@ from dasktrain._cluster import declares_gpu, worker_info
 from dasktrain._deadline import wait_until
 from dasktrain._durable import StorageOptions
 from dasktrain.pipeline import Pipeline
-from dasktrain.trainer.driver.checkpoint import save_checkpoint
 from dasktrain.trainer.driver.elastic import WorkerPlaces, replica_hosts
 from dasktrain.trainer.driver.loadable import check_loadable
+from dasktrain.trainer.driver.run_checkpoints import RunCheckpoints, StateNotHandedOver
 from dasktrain.trainer.driver.run_records import RunRecords
 from dasktrain.trainer.driver.watch import trainer_watch
 from dasktrain.trainer.errors import (
@@ -86,15 +85,9 @@ class FitRun:
         self.client = client
         self.worker_config = worker_config
         self.timeout = timeout
-        self.checkpoint = checkpoint
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_extra = checkpoint_extra
-        self.storage_options = storage_options  # fsspec's, for a checkpoint at a URL
         self.records = RunRecords(history, checkpoint, storage_options, progress, on_records)
-        self.last_checkpoint: Path | None = None
-        self._saved = (-1, -1)  # (version, complete epochs) of the last checkpoint written
-        self._pending_state: Any = None  # the holder's state_at call for the next checkpoint
-        self._deferred: dict[str, Any] | None = None  # a state ahead of the boundary saved
+        self.checkpoints = RunCheckpoints(checkpoint, checkpoint_every, checkpoint_extra,
+                                          storage_options, self.records)
         self._pauses = trainer_watch(client)
         self._plans: Pipeline | None = None
         self.shares: dict[int, int] = {}  # batches of the epoch taken per worker (dynamic)
@@ -276,7 +269,7 @@ class FitRun:
     @property
     def _keep(self) -> str:
         """What the holder keeps of each epoch's end for the driver (see boundary)."""
-        return "state" if self.checkpoint and not self.steered else "params"
+        return "state" if self.checkpoints.path and not self.steered else "params"
 
     def queue(self, epoch: int) -> None:
         """Let ``epoch`` begin as soon as the one before is complete (now, if it is)."""
@@ -457,77 +450,36 @@ class FitRun:
         self.records.hand_on(progress)
 
     def _take_checkpoint(self, ask_next: bool = True) -> None:
-        """Write the state the holder captured at the last ``checkpoint_every`` mark, and
-        ask for the next one. The holder takes it at the exact update, and the answer
-        reaches this process at once: a holder that dies between two polls has still
-        handed it over. A state of an epoch after the one whose boundary the driver has
-        yet to save waits for that save (``ask_next=False``: the holder is lost, and it is
-        written now). Holder shards asked for a mark one of them has passed answer at
-        different updates: that answer is no state to resume from and is not written; the
-        next mark is asked for instead."""
-        if not (self.checkpoint and self.checkpoint_every):
-            return
-        pending = self._pending_state
-        start = self.version
-        if pending is not None:
-            if not pending.done():
-                return
-            self._pending_state = None
-            try:
-                state = pending.result()  # done: no wait
-            except Exception as exc:
-                if ask_next and not self.holder_alive():
-                    self._holder_lost()
-                raise TrainerError(f"the parameter holder could not hand over its state: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            if "mixed_versions" in state:  # shards caught at different updates: the next mark
-                start = max(state["mixed_versions"])
-            else:
-                self._deferred = state
-        if self._deferred is not None:
-            state = self._deferred
-            if int(state["epoch"]) > self.epoch and ask_next:
-                return  # written after the boundary save (see save)
-            self._deferred = None
-            self.records.record_unrecorded(self.epoch, int(state["epoch"]),
-                                           int(state["version"]))
-            self.save(complete_epochs=None, holder_state=state)
-            start = int(state["version"])
-        if ask_next:
-            try:
-                self._pending_state = self._handle.call("state_at",
-                                                        start + self.checkpoint_every)
-            except HolderLost:  # lost at the boundary: what it handed over is written
+        """Write the state the holder handed over at the last ``checkpoint_every`` mark,
+        and ask for the next one (``ask_next=False``: the holder is lost; see
+        :meth:`RunCheckpoints.take`)."""
+        ask = (lambda version: self._handle.call("state_at", version)) if ask_next else None
+        try:
+            self.checkpoints.take(self.epoch, self.version, ask)
+        except StateNotHandedOver:
+            if ask_next and not self.holder_alive():
                 self._holder_lost()
+            raise
+        except HolderLost:  # lost at the boundary: what it handed over is written
+            self._holder_lost()
 
     def save(self, complete_epochs: int | None,
              holder_state: dict[str, Any] | None = None) -> None:
         """Write the run's checkpoint (``complete_epochs=None``: mid-epoch) of the holder's
         current state, or of ``holder_state`` taken before."""
-        if not self.checkpoint:
+        if not self.checkpoints.path:
             return
         if holder_state is None:
             holder_state = self.call("state_dict")
-        version = int(holder_state["version"])
-        boundary = complete_epochs is not None
-        if complete_epochs is None:
-            complete_epochs = int(holder_state["epoch"])
-        if (version, complete_epochs) < self._saved:  # never backwards
-            # The same version with fewer epochs complete is a mark that fell on an epoch's
-            # last update, taken before the boundary: the boundary's checkpoint has it.
-            log = logger.warning if version < self._saved[0] else logger.debug
-            log("a checkpoint at version %d (%d epochs complete) was not written: the one "
-                "at version %d (%d) is newer", version, complete_epochs, *self._saved)
-            return
-        extra = self.checkpoint_extra()
-        self.last_checkpoint = save_checkpoint(self.checkpoint, {
-            "holder": holder_state, "complete_epochs": complete_epochs,
-            "history": self.records.summary(), **extra}, storage_options=self.storage_options)
-        self._saved = (version, complete_epochs)
-        logger.info("checkpoint at version %d: %s", version, self.last_checkpoint)
-        if boundary:
+        self.checkpoints.write(holder_state, complete_epochs)
+        if complete_epochs is not None:
             self.epoch = complete_epochs  # a state of the next epoch may be written now
             self._take_checkpoint()
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The checkpoint file last written in this fit."""
+        return self.checkpoints.last
 
     def parameters(self) -> Any:
         params, version = self.call("pull")
@@ -535,7 +487,7 @@ class FitRun:
         return params
 
     def close(self) -> None:
-        self._pending_state = None
+        self.checkpoints.forget()
         if self._fit_tasks:  # the fit failed between two epochs: its workers train on
             self._stop_workers(list(self._fit_tasks), TrainerError("the fit failed"))
             self._release_fit_tasks()
