@@ -303,6 +303,9 @@ class HolderHandle:
             # Issue and await the actor call on the worker's event loop: one thread hop
             # there and one back, instead of two each way through ActorFuture.result().
             return self._on_loop(self._remote(method, args), method)
+        return self._actor_call(method, args)
+
+    def _actor_call(self, method: str, args: tuple) -> Any:
         try:
             return getattr(self.actor, method)(*args)
         except RuntimeError as exc:  # Dask's actor, once its worker is known lost
@@ -318,7 +321,7 @@ class HolderHandle:
                                "closing") from exc
 
     async def _remote(self, method: str, args: tuple) -> Any:
-        return await getattr(self.actor, method)(*args)
+        return await self._actor_call(method, args)
 
     def wait(self, future: Any, what: str, timeout: float | None = None) -> Any:
         """The result of ``future``, failing clearly if the holder's worker dies or nothing
