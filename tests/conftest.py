@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
+import os
 
 import dask
 import pytest
@@ -21,6 +23,18 @@ dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 get_mp_context()  # sets distributed's own preload list first; ours replaces it
 multiprocessing.get_context("forkserver").set_forkserver_preload(
     ["distributed", "numpy", "pandas", "zarr", "dask.array", "torch", "dasktrain"])
+# pyarrow (pandas and dasktrain import it) starts jemalloc's background thread as it loads.
+# A process forked while another thread runs inherits that thread's locks but not the
+# thread: the server starts with it off, so each worker is forked from one thread alone.
+_jemalloc_conf = os.environ.get("JE_ARROW_MALLOC_CONF")
+os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
+try:
+    multiprocessing.forkserver.ensure_running()
+finally:  # the tests' own processes and subprocesses keep pyarrow's setting
+    if _jemalloc_conf is None:
+        del os.environ["JE_ARROW_MALLOC_CONF"]
+    else:
+        os.environ["JE_ARROW_MALLOC_CONF"] = _jemalloc_conf
 
 
 @pytest.fixture(scope="session")
