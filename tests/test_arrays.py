@@ -178,13 +178,20 @@ def test_a_pipeline_resumed_mid_epoch_yields_the_rest_of_the_epoch(client, store
     assert [b.tolist() for b in head + rest] == [b.tolist() for b in whole]
 
 
+def _read_threads() -> set[threading.Thread]:
+    """The pipelines' read threads alive in this process. A test counts those it started:
+    an earlier test's pipeline left open keeps its idle readers until it is collected."""
+    return {t for t in threading.enumerate() if t.name.startswith("dasktrain-read")}
+
+
 def test_a_pipeline_closed_early_leaves_no_read_running_and_the_next_reads_every_window(
         client, store):
     ds = _cells(store)
+    before = _read_threads()
     first = dt.Pipeline(ds, batch_size=8, seed=4, client=client, prefetch=8)
     next(iter(first))  # groups are read ahead of it, most not begun
     first.close()
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("dasktrain-read")]
+    assert not _read_threads() - before
     # Reads that never ran were given up: a pipeline of the same epoch does not wait for
     # them, and serves every window once.
     ids = np.concatenate(_ids(dt.Pipeline(ds, batch_size=8, seed=4, client=client)))
@@ -205,12 +212,13 @@ def test_closing_while_groups_are_read_ahead_returns_promptly(client):
     cell = da.from_array(data.cell.values, chunks=(7, LAT, LON)).map_blocks(slowly)
     ds = dt.open_arrays({"cell": cell}, dims={"cell": ("time", "lat", "lon")}, window=WINDOW,
                         inputs=["cell"], targets=["cell"], lead=1, stack=True)
+    before = _read_threads()
     pipe = dt.Pipeline(ds, batch_size=8, seed=1, client=client, prefetch=8)
     next(iter(pipe))
     start = time.monotonic()
     pipe.close()
     assert time.monotonic() - start < 30
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("dasktrain-read")]
+    assert not _read_threads() - before
 
 
 class _Forecast(torch.nn.Module):
