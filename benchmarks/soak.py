@@ -4,8 +4,9 @@ A small MLP (16 -> 64 -> 64 -> 1) on the ``regression`` source's 4,096 rows (spl
 into training and validation), in ``async`` with work claimed on demand (the default
 assignment), 2 trainer workers, batches of 64, a checkpoint every 25 updates (about two a
 second) and at every epoch's end, validation after every epoch, and the JSON-lines and
-TensorBoard loggers on. The fit runs until ``--minutes`` have passed (a callback then ends
-it after the current epoch), on an embedded LocalCluster of 2 processes on 127.0.0.1.
+TensorBoard loggers on. The fit runs until ``--minutes`` have passed and at least
+``--min-epochs`` epochs are sampled (a callback then ends it after the current epoch), on
+an embedded LocalCluster of 2 processes on 127.0.0.1.
 
 After every epoch a callback samples: the epoch's wall time; the resident memory, open file
 descriptors and threads of the driver (which runs the scheduler too, unless
@@ -53,7 +54,7 @@ from dasktrain.trainer.holder import ParameterHolder
 from dasktrain.trainer.holder.footprint import footprint
 from dasktrain.trainer.holder.records import PER_GRADIENT, PER_UPDATE
 
-QUICK = {"minutes": 0.5, "warmup": 3}
+QUICK = {"minutes": 0.5, "warmup": 3, "min_epochs": 10}
 ROWS = 4_096
 BATCH = 64
 CHECKPOINT_EVERY = 25
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0,
                         help="how long the fit runs (default 20)")
+    parser.add_argument("--min-epochs", type=int, default=20,
+                        help="go on past --minutes until this many epochs are sampled "
+                             "(default 20)")
     parser.add_argument("--warmup", type=int, default=10,
                         help="epochs left out before the first tenth (default 10)")
     parser.add_argument("--keep", metavar="DIR",
@@ -171,13 +175,15 @@ class GarbageTime:
 
 
 class Sampler(dt.Callback):
-    """Samples everything that could grow after each epoch; ends the fit at ``until``."""
+    """Samples everything that could grow after each epoch; ends the fit at ``until``, once
+    it has sampled ``least`` epochs (a loaded machine may take the time on the first few)."""
 
     steers = True
 
-    def __init__(self, client: Client, run: Path, until: float,
+    def __init__(self, client: Client, run: Path, until: float, least: int,
                  scheduler_apart: bool = False) -> None:
         self.client = client
+        self.least = least
         self.scheduler_apart = scheduler_apart
         self.run = run
         self.until = until
@@ -220,7 +226,7 @@ class Sampler(dt.Callback):
         row["History entries"] = sum(len(getattr(history, name))
                                      for name in (*PER_UPDATE, *PER_GRADIENT))
         self.rows.append(row)
-        if time.monotonic() >= self.until:
+        if time.monotonic() >= self.until and len(self.rows) >= self.least:
             trainer.stop_training = True
 
 
@@ -300,7 +306,7 @@ def run(args: argparse.Namespace, where: Path) -> tuple[list[dict[str, float]], 
                              history_updates=args.history_updates, torch_threads=1,
                              progress=False)
         started = time.monotonic()
-        sampler = Sampler(client, run_dir, started + args.minutes * 60,
+        sampler = Sampler(client, run_dir, started + args.minutes * 60, args.min_epochs,
                           scheduler_apart=args.scheduler_apart)
         trainer.fit(data.split("train"), epochs=1_000_000, validation=data.split("val"),
                     client=client, checkpoint=run_dir / "checkpoint",
