@@ -79,16 +79,22 @@ def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
     assert leftovers == [], leftovers
 
 
-def test_existing_output_needs_overwrite_and_is_kept(tmp_path):
+def _on(client) -> tuple[str, str]:
+    """The option that runs a command on the session's cluster: tests of what a command
+    checks and says need no embedded cluster of their own (its own tests start one)."""
+    return "--scheduler", client.scheduler.address
+
+
+def test_existing_output_needs_overwrite_and_is_kept(client, tmp_path):
     out = tmp_path / "p.zarr"
-    first = run_cli("prepare", "parabola", str(out), "--no-progress")
+    first = run_cli("prepare", "parabola", str(out), "--no-progress", *_on(client))
     assert first.returncode == 0, first.stderr
     before = (out / "zarr.json").read_bytes()
     assert_user_error(run_cli("prepare", "parabola", str(out), "--samples", "10"),
                       "already exists", "--overwrite")
     assert (out / "zarr.json").read_bytes() == before
     again = run_cli("prepare", "parabola", str(out), "--samples", "10", "--overwrite",
-                    "--no-progress")
+                    "--no-progress", *_on(client))
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "zarr.json").read_text())["attributes"]["dasktrain"][
         "num_samples"] == 10
@@ -120,33 +126,33 @@ def test_prepare_info_verify_happy_path(tmp_path):
     assert "8 chunks read" in verify.stdout
 
 
-def test_verify_names_a_corrupt_chunk(tmp_path):
+def test_verify_names_a_corrupt_chunk(client, tmp_path):
     out = tmp_path / "d.zarr"
     assert run_cli("prepare", "regression", str(out), "--samples", "3000", "--width", "4",
-                   "--chunk-rows", "1000", "--no-progress").returncode == 0
+                   "--chunk-rows", "1000", "--no-progress", *_on(client)).returncode == 0
     chunk = out / "x" / "c" / "1" / "0"
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    result = run_cli("verify", str(out), "--no-progress")
+    result = run_cli("verify", str(out), "--no-progress", *_on(client))
     assert result.returncode == 1
     assert "array 'x' chunk 1 (rows 1000:2000) cannot be read" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_verify_catches_statistics_and_nan_tampering(tmp_path):
+def test_verify_catches_statistics_and_nan_tampering(client, tmp_path):
     import zarr
 
     out = tmp_path / "d.zarr"
     assert run_cli("prepare", "regression", str(out), "--samples", "3000", "--width", "4",
-                   "--chunk-rows", "1000", "--no-progress").returncode == 0
+                   "--chunk-rows", "1000", "--no-progress", *_on(client)).returncode == 0
     group = zarr.open_group(str(out), mode="r+")
     group["x"][2500, 2] = np.nan
-    result = run_cli("verify", str(out), "--no-progress")
+    result = run_cli("verify", str(out), "--no-progress", *_on(client))
     assert result.returncode == 1
     assert "array 'x' chunk 2 has 1 row(s) with NaN" in result.stderr
     group["x"][2500, 2] = 1e6
-    result = run_cli("verify", str(out), "--no-progress")
+    result = run_cli("verify", str(out), "--no-progress", *_on(client))
     assert result.returncode == 1
     assert "array 'x': recorded mean does not match" in result.stderr
 
@@ -154,7 +160,7 @@ def test_verify_catches_statistics_and_nan_tampering(tmp_path):
 def test_prepare_on_an_existing_cluster(client, tmp_path):
     out = tmp_path / "r.zarr"
     result = run_cli("prepare", "classification", str(out), "--samples", "5000", "--classes",
-                     "3", "--scheduler", client.scheduler.address, "--no-progress")
+                     "3", "--no-progress", *_on(client))
     assert result.returncode == 0, result.stderr
     assert "3 classes" in result.stdout
     assert client.status == "running"  # the command disconnected, the cluster lives on
