@@ -54,7 +54,7 @@ def regression(client, tmp_path_factory):
                       seed=5, progress=False)
 
 
-# The heaviest modules, heaviest first (seconds of a full run on 2 cores, 2026-11-30). The
+# The heaviest modules, heaviest first (by their time in a full run on 2 cores, 2026-11-30). The
 # suite's processes take whole modules in collection order; with these first, the last
 # modules handed out are short ones, and no process waits alone on a long one at the end.
 HEAVIEST = ["test_bench_e2e", "test_doc_blocks", "test_examples", "test_cli", "test_chaos",

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from distributed import Future
-
 from dasktrain._durable import StorageOptions
 from dasktrain.trainer.driver.checkpoint import save_checkpoint
 from dasktrain.trainer.driver.run_records import RunRecords
@@ -62,7 +60,9 @@ class RunCheckpoints:
         self.records = records
         self.last: Path | None = None  # the file last written
         self._saved = (-1, -1)  # (version, complete epochs) of the last checkpoint written
-        self._pending: Future | None = None  # the holder's state_at call for the next mark
+        # The holder's answer to come for the next mark (an actor call's future: .done(),
+        # .result()).
+        self._pending: Any = None
         self._deferred: dict[str, Any] | None = None  # a mark's state ahead of the boundary
 
     def write(self, holder_state: dict[str, Any], complete_epochs: int | None) -> None:
@@ -86,10 +86,10 @@ class RunCheckpoints:
         self._saved = (version, complete_epochs)
         logger.info("checkpoint at version %d: %s", version, self.last)
 
-    def take(self, epoch: int, version: int,
-             ask: Callable[[int], Future] | None) -> None:
+    def take(self, epoch: int, version: int, ask: Callable[[int], Any] | None) -> None:
         """Write the state the holder handed over at the last mark, and ``ask`` it for the
-        next one (None: the holder is lost, and what it handed over is written now).
+        next one (``ask(version)`` starts the holder's ``state_at`` call and returns its
+        future; None: the holder is lost, and what it handed over is written now).
 
         ``epoch`` is the one whose boundary the driver has yet to save: a state of a later
         epoch waits for that save. Holder shards asked for a mark one of them has passed
