@@ -1,13 +1,20 @@
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
 
 import dask
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, WorkerPlugin
 from distributed.utils import get_mp_context
 
 import dasktrain as dt
@@ -37,12 +44,75 @@ finally:  # the tests' own processes and subprocesses keep pyarrow's setting
         os.environ["JE_ARROW_MALLOC_CONF"] = _jemalloc_conf
 
 
+# A worker that stops answering is let go after a minute, not Dask's five: its work then runs
+# again on the others within a test's timeout. Before that, its threads' stacks are written
+# (see _Unanswering) and the run's summary shows them.
+dask.config.set({"distributed.scheduler.worker-ttl": "60s"})
+_SILENT = 30.0  # seconds without a heartbeat before a worker's stacks are written
+_STACKS = "DASKTRAIN_TEST_WORKER_STACKS"  # where they are written: a folder for the run
+
+
+class _StacksOnSignal(WorkerPlugin):
+    """Each worker writes every thread's stack to a file of its own on SIGUSR1."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def setup(self, worker) -> None:
+        path = os.path.join(self.directory, f"worker-{os.getpid()}.txt")
+        self._file = open(path, "w")  # noqa: SIM115 (written to until the process ends)
+        faulthandler.register(signal.SIGUSR1, file=self._file, all_threads=True)
+
+
+class _Unanswering(threading.Thread):
+    """Asks each worker of ``cluster`` that has sent no heartbeat for :data:`_SILENT`
+    seconds for its stacks, once: what a frozen worker was doing, for the summary."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        super().__init__(name="dasktrain-test-unanswering", daemon=True)
+        self.cluster = cluster
+        self.stop = threading.Event()
+        self.asked: set[int] = set()
+
+    def run(self) -> None:
+        while not self.stop.wait(5.0):
+            try:
+                workers = list(self.cluster.scheduler.workers.values())
+            except RuntimeError:  # changed while read: the next look
+                continue
+            for ws in workers:
+                if time.time() - ws.last_seen > _SILENT and ws.pid not in self.asked:
+                    self.asked.add(ws.pid)
+                    with contextlib.suppress(OSError):
+                        os.kill(ws.pid, signal.SIGUSR1)
+
+
 @pytest.fixture(scope="session")
 def client():
     """One real-process cluster for the whole session: two single-threaded workers."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster) as c:
+        c.register_plugin(_StacksOnSignal(os.environ[_STACKS]))
+        watch = _Unanswering(cluster)
+        watch.start()
         yield c
+        watch.stop.set()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run's first process: the suite's processes
+        os.environ[_STACKS] = tempfile.mkdtemp(prefix="dasktrain-stacks-")  # inherit it
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or _STACKS not in os.environ:
+        return
+    for path in sorted(Path(os.environ[_STACKS]).glob("worker-*.txt")):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            terminalreporter.section(f"a test cluster's worker that stopped answering "
+                                     f"({path.stem}): its threads")
+            terminalreporter.write_line(text)
 
 
 @pytest.fixture(scope="session")
