@@ -46,9 +46,10 @@ def all_rows(dataset: dt.Dataset, client: Client) -> tuple[torch.Tensor, torch.T
     return next(iter(pipe))
 
 
-def fit(client, dataset, device: str, workers: int = 2, epochs: int = 2, **options):
+def fit(client, dataset, device: str, workers: int = 2, epochs: int = 2, mode: str = "sync",
+        **options):
     trainer = dt.Trainer(mlp, options.pop("loss", mse),
-                         options.pop("optimizer", dt.optim.sgd(0.05, momentum=0.9)), "sync",
+                         options.pop("optimizer", dt.optim.sgd(0.05, momentum=0.9)), mode,
                          workers=workers, batch_size=16, device=device, progress=False,
                          metrics={"on_cuda": on_cuda}, **options)
     history = trainer.fit(dataset, epochs=epochs, client=client)
@@ -67,6 +68,20 @@ def test_sync_on_cuda_equals_the_cpu_fit_and_one_process(client, regression):
     expected = one_process(regression, mlp, dt.optim.sgd(0.05, momentum=0.9), 32, 2, client)
     torch.testing.assert_close(flat_parameters(on_gpu.model), expected, **CLOSE)
     assert (expected - flat_parameters(mlp())).abs().max() > 1e-2  # it did move
+
+
+@pytest.mark.parametrize("optimizer", [dt.optim.sgd(0.05, momentum=0.9), dt.optim.adam(0.01)],
+                         ids=["sgd-momentum", "adam"])
+def test_average_with_one_replica_steps_on_cuda_as_sync_does(client, regression, optimizer):
+    # The optimizer's state travels to the holder and back every round: it must come back
+    # onto the GPU (Adam's step stays on the processor, as torch keeps it).
+    local, history = fit(client, regression, "cuda", workers=1, mode="average",
+                         optimizer=optimizer)
+    assert all(e["train"]["on_cuda"] == 1.0 for e in history.epochs)
+    sync, _ = fit(client, regression, "cuda", workers=1, optimizer=optimizer)
+    torch.testing.assert_close(flat_parameters(local.model), flat_parameters(sync.model),
+                               **CLOSE)
+    assert history.updates < len(regression) // 16  # fewer exchanges than batches
 
 
 def test_bf16_on_cuda_trains_to_the_float32_loss(client, regression):

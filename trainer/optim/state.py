@@ -64,15 +64,28 @@ class StateLayout:
     def load(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
              values: np.ndarray) -> None:
         """Make ``values`` (from :meth:`flatten`, or an average of such) the state of
-        ``params``."""
+        ``params``, each tensor where torch's own ``load_state_dict`` puts it: per-element
+        state on its parameter's device (a replica's GPU), scalars (Adam's step) on the
+        processor unless the optimizer is fused or capturable."""
         states: list[dict[str, torch.Tensor]] = [{} for _ in params]
+        on_device = [_scalars_on_device(optimizer, param) for param in params]
         at = 0
         for name, per_element, dtype in self.keys:
-            for param, state in zip(params, states, strict=True):
+            for param, state, scalar_there in zip(params, states, on_device, strict=True):
                 size = param.numel() if per_element else 1
                 chunk = torch.from_numpy(np.array(values[at:at + size], dtype=np.float32))
+                device = param.device if per_element or scalar_there else "cpu"
                 state[name] = (chunk.reshape(param.shape) if per_element
-                               else chunk.reshape(())).to(dtype)
+                               else chunk.reshape(())).to(device=device, dtype=dtype)
                 at += size
         for param, state in zip(params, states, strict=True):
             optimizer.state[param] = state
+
+
+def _scalars_on_device(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """Whether ``optimizer`` keeps ``param``'s scalar state on its device (fused or
+    capturable groups), not on the processor."""
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return bool(group.get("fused") or group.get("capturable"))
+    return False
