@@ -30,7 +30,10 @@ floats), ``--precision`` (bf16 autocast by default, as a GPU user runs it). The 
 trains on batches already on the GPU (its best case); the Trainer reads them through its
 pipeline. Figures: samples/s of the Trainer's last epoch (its History) against the plain
 loop's steady steps; where a Trainer step goes: forward and backward, waiting on the holder
-(the exchange), waiting on data.
+(the exchange), waiting on data. Beside it, the same Trainer with ``mode="average"`` at its
+defaults: with one replica it takes the same steps as ``sync`` (its optimizer on the replica's
+device, the holder sent the parameters and the optimizer's state every ``average_every``
+steps).
 
 Run on a machine with a GPU: ``python benchmarks/gpu.py`` (``--only w10`` or ``w11``;
 ``--quick``: a few hundred images and a small network on the CPU, to check the plumbing).
@@ -365,9 +368,10 @@ def plain_loop(name: str, optimizer: str, data: list[tuple[torch.Tensor, torch.T
 
 
 def trainer_run(name: str, optimizer: str, ds: dt.Dataset, client: Client, device: torch.device,
-                precision: str, batch: int, epochs: int) -> dict[str, float]:
+                precision: str, batch: int, epochs: int, mode: str = "sync"
+                ) -> dict[str, float]:
     config = dt.optim.sgd(0.05, momentum=0.9) if optimizer == "sgd" else dt.optim.adam(1e-3)
-    trainer = dt.Trainer(pixels_model(name), F.cross_entropy, config, "sync", workers=1,
+    trainer = dt.Trainer(pixels_model(name), F.cross_entropy, config, mode, workers=1,
                          batch_size=batch, device=str(device), precision=precision,
                          progress=False)
     history = trainer.fit(ds, epochs=epochs, client=client)
@@ -395,18 +399,21 @@ def w11(args: argparse.Namespace, tmp: Path, client: Client, device: torch.devic
           f"{args.w11_steps} steps on batches already on the device, after 5 warm-up steps")
     print()
     print("| model | optimizer | plain loop, samples/s | Trainer, samples/s | ratio | "
-          "Trainer: compute | exchange | data wait | via |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+          "Trainer: compute | exchange | data wait | via | `average`, samples/s | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for name in models:
         params = sum(p.numel() for p in network(name).parameters())
         for optimizer in ("sgd", "adam"):
             plain = plain_loop(name, optimizer, data, device, args.precision, args.w11_steps)
             ours = trainer_run(name, optimizer, ds, client, device, args.precision,
                                args.w11_batch, args.w11_epochs)
+            local = trainer_run(name, optimizer, ds, client, device, args.precision,
+                                args.w11_batch, args.w11_epochs, mode="average")
             print(f"| {name} ({params / 1e6:.1f} M) | {optimizer} | {plain:,.0f} | "
                   f"{ours['samples/s']:,.0f} | {ours['samples/s'] / plain:.2f} | "
                   f"{ours['compute']:.0%} | {ours['exchange']:.0%} | {ours['stall']:.0%} | "
-                  f"{ours['via']} ({ours['transport']}) |", flush=True)
+                  f"{ours['via']} ({ours['transport']}) | {local['samples/s']:,.0f} | "
+                  f"{local['samples/s'] / plain:.2f} |", flush=True)
     print()
 
 

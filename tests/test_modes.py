@@ -268,6 +268,30 @@ def test_average_every_step_with_averaged_momentum_is_sync(client, wave):
                               rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("optimizer", [
+    dt.optim.sgd(0.1, momentum=0.9, weight_decay=1e-3),
+    dt.optim.adamw(1e-2, warmup_steps=5, schedule="cosine"),
+], ids=["sgd-momentum", "adamw-cosine"])
+def test_average_with_one_worker_is_sync_bit_for_bit(client, wave, optimizer):
+    """One replica averaging with itself every K steps trains exactly as ``sync``: the
+    same steps, taken by the worker's optimizer instead of the holder's (what a single GPU
+    gains: one exchange every K steps, see docs/gpu.md)."""
+    sync = _trainer("sync", optimizer, workers=1)
+    sync.fit(wave.data, epochs=2, client=client)
+    assert sync.history.updates == 2 * BATCHES  # an update per batch (23 an epoch)
+    assert not torch.allclose(flat_parameters(sync.model), flat_parameters(MODEL()))
+    rounds = []
+    for options in ({}, {"average_every": 3}):  # K at its default (10), and 3
+        average = _trainer("average", optimizer, workers=1, **options)
+        average.fit(wave.data, epochs=2, client=client)
+        assert torch.equal(flat_parameters(average.model), flat_parameters(sync.model))
+        assert [e["train"]["loss"] for e in average.history.epochs] == \
+            [e["train"]["loss"] for e in sync.history.epochs]
+        rounds.append(average.history.updates)
+    # An update per run of at most K batches: fewer than sync's, and fewer the larger K.
+    assert 2 * 3 <= rounds[0] < rounds[1] < sync.history.updates
+
+
 # -- 4. soft applies S gradients per update -------------------------------------------------
 @pytest.mark.filterwarnings(OVERSUBSCRIBED)
 def test_soft_applies_wait_for_gradients_per_update(client, wave):
