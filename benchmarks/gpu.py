@@ -35,7 +35,14 @@ defaults: with one replica it takes the same steps as ``sync`` (its optimizer on
 device, the holder sent the parameters and the optimizer's state every ``average_every``
 steps).
 
-Run on a machine with a GPU: ``python benchmarks/gpu.py`` (``--only w10`` or ``w11``;
+After the W11 table, where a ``sync`` step of one replica goes: each part timed alone in
+this process with the library's own pieces (forward and backward; the gradient to the host;
+the reply copied on the host; the holder's step on the processor; the parameters onto the
+device), and beside them the parts the candidates would put in their place (the copy from
+pinned memory; the optimizer's step on the device).
+
+Run on a machine with a GPU: ``python benchmarks/gpu.py`` (``--only w10``, ``w11`` or
+``parts``;
 ``--quick``: a few hundred images and a small network on the CPU, to check the plumbing).
 """
 
@@ -76,7 +83,7 @@ SIDE, CROP, BATCH, CLASSES, W11_BATCH = 192, 160, 256, 10, 128
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 QUICK = {"images": 384, "workers": 2, "device": "cpu", "model": "tiny", "w11_steps": 4,
-         "w11_batch": 16, "ceiling_steps": 4}
+         "w11_batch": 16, "ceiling_steps": 4, "w11_repeats": 3}
 
 
 # -- the data --------------------------------------------------------------------------------
@@ -391,7 +398,7 @@ def w11(args: argparse.Namespace, tmp: Path, client: Client, device: torch.devic
     ds = dt.prepare(folder, tmp / "w11.zarr", client=client, progress=False,
                     image_storage="decoded")
     data = list(dt.Pipeline(ds, args.w11_batch, seed=0, client=client))
-    models = ["tiny"] if args.model == "tiny" else ["resnet18", "resnet50"]
+    models = w11_models(args)
     print(f"W11: Trainer(workers=1, mode='sync') against a plain loop, {args.w11_batch} images "
           f"of {SIDE}x{SIDE} per step (uint8, made floats by the model's first layer), "
           f"{args.precision} precision, {device_name(device)}; Trainer: its last of "
@@ -415,6 +422,104 @@ def w11(args: argparse.Namespace, tmp: Path, client: Client, device: torch.devic
                   f"{ours['via']} ({ours['transport']}) | {local['samples/s']:,.0f} | "
                   f"{local['samples/s'] / plain:.2f} |", flush=True)
     print()
+    print_step_parts(args, device, models)
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn`` (after one call not counted), the device's work
+    finished before each clock is read."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+STEP_PARTS = ("forward and backward", "gradient to the host", "reply copied on the host",
+              "holder's step, processor", "parameters to the device", "same, from pinned",
+              "the step on the device")
+
+
+def where_a_step_goes(name: str, optimizer: str, device: torch.device, precision: str,
+                      batch: int, repeats: int) -> dict[str, float]:
+    """Milliseconds of each part of a ``sync`` step of one replica in the holder's process
+    (the gradient handed over in process, the holder's leased reply copied into the
+    replica's receive buffer, then onto the device), each timed alone with the library's
+    own pieces: the replica's flat model (:class:`FlatModel`), the holder's arithmetic
+    (:class:`Arithmetic`, on the processor as in a fit); and what the candidates would put
+    in their place (the copy onto the device from pinned memory, the optimizer on the
+    device)."""
+    from dasktrain.trainer.flat import FlatModel
+    from dasktrain.trainer.holder.arithmetic import Arithmetic, as_tensor
+    from dasktrain.trainer.optim.flat import FlatOptimizer
+    from dasktrain.trainer.worker.compute import BatchCompute
+
+    config = dt.optim.sgd(0.05, momentum=0.9) if optimizer == "sgd" else dt.optim.adam(1e-3)
+    flat = FlatModel(pixels_model(name)(), device)
+    x = torch.randint(0, 256, (batch, 3, SIDE, SIDE), dtype=torch.uint8, device=device)
+    y = torch.randint(0, CLASSES, (batch,), device=device)
+    compute = BatchCompute(F.cross_entropy, precision=precision)
+
+    def forward_backward() -> None:
+        flat.zero_grad()
+        loss, _, _ = compute(flat.model, (x, y), device)
+        loss.backward()
+        flat.gradients_done()
+
+    parts = {"forward and backward": _median_ms(forward_backward, device, repeats)}
+    payload = flat.payload()
+    parts["gradient to the host"] = _median_ms(flat.payload, device, repeats)
+    host = np.empty_like(payload)
+    parts["reply copied on the host"] = _median_ms(lambda: np.copyto(host, payload),
+                                                   device, repeats)
+    holder = Arithmetic(flat.layout, flat.state(), config, total_steps=None)
+    try:
+        gradient = as_tensor(host)
+        parts["holder's step, processor"] = _median_ms(lambda: holder.step(gradient),
+                                                       device, repeats)
+        reply = holder.flat.numpy().copy()
+    finally:
+        holder.close()
+    parts["parameters to the device"] = _median_ms(lambda: flat.load(reply), device,
+                                                   repeats)
+    pinned = torch.empty(len(reply), dtype=torch.float32,
+                         pin_memory=device.type == "cuda").numpy()
+    np.copyto(pinned, reply)
+    parts["same, from pinned"] = _median_ms(lambda: flat.load(pinned), device, repeats)
+    on_device = FlatOptimizer(config, flat.params, flat.layout.param_segments())
+    parts["the step on the device"] = _median_ms(lambda: on_device.step(flat.grads), device,
+                                                 repeats)
+    return parts
+
+
+def print_step_parts(args: argparse.Namespace, device: torch.device, models: list[str]) -> None:
+    print(f"Where a sync step of one replica goes, ms (medians of {args.w11_repeats}, each "
+          f"part alone, {args.w11_batch} images, {args.precision}): today a step is the "
+          f"first five parts; the holder's update on the device would leave the first and "
+          f"the last")
+    print()
+    print("| model | optimizer | " + " | ".join(STEP_PARTS) + " | today | on the device |")
+    print("|---|---|" + "---:|" * (len(STEP_PARTS) + 2))
+    for name in models:
+        for optimizer in ("sgd", "adam"):
+            parts = where_a_step_goes(name, optimizer, device, args.precision,
+                                      args.w11_batch, args.w11_repeats)
+            today = sum(parts[k] for k in STEP_PARTS[:5])
+            there = parts["forward and backward"] + parts["the step on the device"]
+            print(f"| {name} | {optimizer} | "
+                  + " | ".join(f"{parts[k]:.1f}" for k in STEP_PARTS)
+                  + f" | {today:.1f} | {there:.1f} |", flush=True)
+    print()
+
+
+def w11_models(args: argparse.Namespace) -> list[str]:
+    return ["tiny"] if args.model == "tiny" else ["resnet18", "resnet50"]
 
 
 def device_name(device: torch.device) -> str:
@@ -425,7 +530,8 @@ def device_name(device: torch.device) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["w10", "w11"], help="one workload only")
+    parser.add_argument("--only", choices=["w10", "w11", "parts"],
+                        help="one workload only (parts: W11's parts of a step alone)")
     parser.add_argument("--images", type=int, default=50_000)
     parser.add_argument("--workers", type=int, default=14,
                         help="Dask worker processes, and the DataLoader's num_workers")
@@ -439,6 +545,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--w11-batch", type=int, default=W11_BATCH)
     parser.add_argument("--w11-steps", type=int, default=16, help="steps per W11 epoch")
     parser.add_argument("--w11-epochs", type=int, default=3)
+    parser.add_argument("--w11-repeats", type=int, default=20,
+                        help="timings of each part of a step (medians)")
     return parse_with_quick(parser, argv, QUICK,
                             "seconds: a few hundred images and a small network on the CPU")
 
@@ -450,6 +558,9 @@ def main() -> None:
         raise SystemExit("benchmarks/gpu.py: this machine has no CUDA GPU (--device cpu "
                          "--quick checks the plumbing)")
     torch.backends.cudnn.benchmark = True
+    if args.only == "parts":  # no cluster: each part is timed in this process
+        print_step_parts(args, device, w11_models(args))
+        return
     with tempfile.TemporaryDirectory(prefix="dasktrain-gpu-") as tmp, \
             LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                          host="127.0.0.1", **NO_DASHBOARD) as cluster, \

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import textwrap
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +111,22 @@ def test_bench_without_the_scripts_is_one_line_and_exit_2(tmp_path):
     assert result.stderr.count("\n") == 1, result.stderr
     assert "no benchmark scripts pipeline.py, holder.py" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_gpu_script_times_each_part_of_a_step_with_the_librarys_own_pieces():
+    """benchmarks/gpu.py runs on a machine lent for minutes: its parts of a W11 step (the
+    replica's flat model, the holder's arithmetic, the optimizer on the device) are run here
+    on the processor, so that a change to those pieces cannot first fail there."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--only", "parts"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [line.split("|")[2].strip() for line in lines] == ["sgd", "adam"]
+    for line in lines:
+        times = [float(cell) for cell in line.strip("|").split("|")[2:]]
+        assert len(times) == 9 and all(t >= 0 for t in times)
+        # Today's step is the sum of its first five parts (each rounded to 0.1 ms).
+        assert times[7] == pytest.approx(sum(times[:5]), abs=0.3)
+        assert times[0] > 0  # forward and backward take time on any machine
