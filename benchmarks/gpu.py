@@ -374,10 +374,15 @@ def plain_loop(name: str, optimizer: str, data: list[tuple[torch.Tensor, torch.T
     return steps * len(batches[0][1]) / (time.perf_counter() - start)
 
 
+def optimizer_config(optimizer: str) -> dt.optim.OptimizerConfig:
+    """W11's optimizers, as :class:`Stepper` builds them for the plain loop."""
+    return dt.optim.sgd(0.05, momentum=0.9) if optimizer == "sgd" else dt.optim.adam(1e-3)
+
+
 def trainer_run(name: str, optimizer: str, ds: dt.Dataset, client: Client, device: torch.device,
                 precision: str, batch: int, epochs: int, mode: str = "sync"
                 ) -> dict[str, float]:
-    config = dt.optim.sgd(0.05, momentum=0.9) if optimizer == "sgd" else dt.optim.adam(1e-3)
+    config = optimizer_config(optimizer)
     trainer = dt.Trainer(pixels_model(name), F.cross_entropy, config, mode, workers=1,
                          batch_size=batch, device=str(device), precision=precision,
                          progress=False)
@@ -460,7 +465,7 @@ def where_a_step_goes(name: str, optimizer: str, device: torch.device, precision
     from dasktrain.trainer.optim.flat import FlatOptimizer
     from dasktrain.trainer.worker.compute import BatchCompute
 
-    config = dt.optim.sgd(0.05, momentum=0.9) if optimizer == "sgd" else dt.optim.adam(1e-3)
+    config = optimizer_config(optimizer)
     flat = FlatModel(pixels_model(name)(), device)
     x = torch.randint(0, 256, (batch, 3, SIDE, SIDE), dtype=torch.uint8, device=device)
     y = torch.randint(0, CLASSES, (batch,), device=device)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
 from dasktrain.cli.bench import BENCHMARKS
-from tests.common.builders import run_cli
+from tests.common.builders import run_benchmark, run_cli
 
 HEADER = ["benchmark", "workload", "dasktrain", "baseline", "ratio", "goal"]
 RATIO = re.compile(r"(\d+\.\d\d)x|—")
@@ -117,11 +113,7 @@ def test_the_gpu_script_times_each_part_of_a_step_with_the_librarys_own_pieces()
     """benchmarks/gpu.py runs on a machine lent for minutes: its parts of a W11 step (the
     replica's flat model, the holder's arithmetic, the optimizer on the device) are run here
     on the processor, so that a change to those pieces cannot first fail there."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
-    result = subprocess.run([sys.executable, str(script), "--quick", "--only", "parts"],
-                            capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-5000:]
+    result = run_benchmark("gpu", timeout=120, arguments=["--only", "parts"])
     lines = [line for line in result.stdout.splitlines() if line.startswith("| tiny |")]
     assert [line.split("|")[2].strip() for line in lines] == ["sgd", "adam"]
     for line in lines:

@@ -94,19 +94,25 @@ def run_cli_batch(argvs: list[list[str]], timeout: float = 300
             for argv, (code, out, err) in zip(argvs, json.loads(done.stdout), strict=True)]
 
 
-def run_benchmark_quick(name: str, directory: Path, timeout: float,
-                        arguments: Sequence[str] = ()
-                        ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def run_benchmark(name: str, timeout: float, arguments: Sequence[str] = ()
+                  ) -> subprocess.CompletedProcess:
     """Run ``benchmarks/<name>.py --quick`` (and ``arguments``) for real in a subprocess,
-    as a reader of the README would; returns the finished process (checked to have
-    succeeded) and the ratio rows it wrote."""
-    out = directory / f"{name}-ratios.json"
+    as a reader of the README would; returns the finished process, checked to have
+    succeeded."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick",
-         "--ratios-json", str(out), *arguments],
+        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", *arguments],
         cwd=REPO, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-5000:]
+    return result
+
+
+def run_benchmark_quick(name: str, directory: Path, timeout: float,
+                        arguments: Sequence[str] = ()
+                        ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """:func:`run_benchmark`, and the ratio rows it wrote."""
+    out = directory / f"{name}-ratios.json"
+    result = run_benchmark(name, timeout, ["--ratios-json", str(out), *arguments])
     return result, json.loads(out.read_text(encoding="utf-8"))
 
 
