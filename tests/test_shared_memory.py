@@ -6,8 +6,10 @@ processes) the trainer's tests run over it, since it is the default on a LocalCl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from dasktrain.trainer.exchange import shared, transfer
 from dasktrain.trainer.exchange.client import ChannelClient
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.holder import ParameterHolder
-from dasktrain.trainer.holder.arithmetic import Lease
+from dasktrain.trainer.holder.arithmetic import INLINE_SIZE, Lease
 from tests.common.channel import on_loop, serve_channel
 from tests.common.training import zeros_holder
 
@@ -179,25 +181,50 @@ def _shares(holder, region: np.ndarray) -> bool:
     return np.shares_memory(holder._arith.flat.numpy(), region)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory(mode):
-    """Its replies then cost no copy: the update lands in the worker's model in place, and
-    never while the worker reads it (the reply's lease is kept until its next push)."""
-    box: dict = {}
+@contextlib.contextmanager
+def _holder_sharing_memory(workers: int, mode: str = "sync", size: int = SIZE):
+    """A holder of ``size`` zeros (plain SGD at lr 1) behind a channel server that tells it
+    of each connection's reply region; with the holder's own mapping of each region, by
+    (worker, incarnation)."""
+    box: dict = {"regions": {}}
 
     async def push(*args):  # the holder's exchange, once it exists
         return await box["holder"].exchange(*args)
 
-    def reply_region(worker, region, attached):  # the holder's own mapping of the region
-        box["region"] = region
-        box["holder"]._arith.region_shared(worker, region, attached)
+    def reply_region(worker, incarnation, region, attached):
+        box["regions"][worker, incarnation] = region
+        box["holder"]._arith.region_shared(worker, incarnation, region, attached)
 
+    with serve_channel(push, size, shared_reply=reply_region) as server:
+        holder = box["holder"] = on_loop(server, _holder_on(size, workers, mode))
+        try:
+            yield server, holder, box["regions"]
+        finally:
+            on_loop(server, holder.close)
+
+
+def _parameters(server, holder) -> np.ndarray:
+    params, _ = on_loop(server, holder.pull)
+    return params
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within 10 s: {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory(mode):
+    """Its replies then cost no copy: the update lands in the worker's model in place, and
+    never while the worker reads it (the reply's lease is kept until its next push)."""
     workers = 1 if mode == "sync" else 2
-    with serve_channel(push, SIZE, shared_reply=reply_region) as server:
-        holder = box["holder"] = on_loop(server, _holder_on(SIZE, workers, mode))
+    with _holder_sharing_memory(workers, mode) as (server, holder, regions_of):
 
         def shares() -> bool:  # the holder's parameters lie in the worker's model
-            return on_loop(server, _async(_shares, holder, box["region"]))
+            return on_loop(server, _async(_shares, holder, regions_of[0, 1]))
 
         channel = ChannelClient(server.contact(0, 1), 0, SIZE, 10, lambda: True)
         try:
@@ -225,7 +252,68 @@ def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory
                 assert shares()
         finally:
             channel.stop()
-            on_loop(server, holder.close)
+
+
+def test_a_superseded_incarnations_reply_stays_out_of_its_successors_model():
+    """Worker 1's process goes (retired, say) while its push waits in a ``sync`` round; its
+    task, run again elsewhere, connects with memory of its own and moves its model there,
+    with the parameters it joined with. The round, applied with the first push (see
+    :mod:`dasktrain.trainer.modes.rounds`), answers that push: the reply must not move the
+    holder's parameters into the successor's model, where they would be overwritten by
+    older ones (the round's update lost)."""
+    with _holder_sharing_memory(2) as (server, holder, regions_of):
+        first = ChannelClient(server.contact(1, 1), 1, SIZE, 10, lambda: True)
+        second = None
+        try:
+            first.receive_into(first.shared.reply)
+            first.shared.payload[:] = 1.0
+            waiting = first.push(0, first.shared.payload, 1, 0.0, (0, 1))
+            _until(lambda: on_loop(server, holder.progress)["waiting_for"] == [0],
+                   "worker 1's push waits in the round")
+            joined = on_loop(server, lambda: holder.join(1, None, holder.layout))
+            assert joined["incarnation"] == 2 and joined["version"] == 0
+            second = ChannelClient(server.contact(1, 2), 1, SIZE, 10, lambda: True)
+            _until(lambda: (1, 2) in regions_of, "the second incarnation's region is told")
+            # The round is applied; the first push's answer (on the holder's loop, woken with
+            # this push's) finds its connection closed for the newer one.
+            on_loop(server, lambda: holder.push(0, 1, 0, np.ones(SIZE, np.float32), 1, 0.0,
+                                                (0, 1)))
+            with pytest.raises(TrainerError, match="closed by the holder"):
+                waiting.result(10)
+            second.shared.reply[:] = joined["params"]  # its model moves in (as FlatModel.adopt)
+            assert (_parameters(server, holder) == -1.0).all()
+        finally:
+            for channel in (first, second):
+                if channel is not None:
+                    channel.stop()
+
+
+@pytest.mark.parametrize("size", [SIZE, INLINE_SIZE + 1],
+                         ids=["updates on the loop", "updates on the holder's thread"])
+@pytest.mark.parametrize("how", ["dropped", "disconnected"])
+def test_the_holders_parameters_leave_the_model_of_a_worker_it_let_go(how, size):
+    """Kept in a worker's model (its last reply's), the holder's parameters leave it once
+    the holder drops that worker (silent, say) or its connection ends: its process may live
+    on and write there (a reply that came through the actor, the parameters of its
+    rejoin)."""
+    with _holder_sharing_memory(1, size=size) as (server, holder, regions_of):
+        channel = ChannelClient(server.contact(0, 1), 0, size, 10, lambda: True)
+        try:
+            channel.receive_into(channel.shared.reply)
+            channel.shared.payload[:] = 1.0
+            channel.push(0, channel.shared.payload, 1, 0.0, (0, 1)).result(10)
+            region = regions_of[0, 1]  # the holder's own mapping of the worker's model
+            assert on_loop(server, _async(_shares, holder, region))
+            if how == "dropped":
+                on_loop(server, lambda: holder.drop(0, "silent"))
+            else:
+                channel.stop()
+            _until(lambda: not on_loop(server, _async(_shares, holder, region)),
+                   "the parameters leave the worker's model")
+            region[:] = 5.0  # what its process may write from now on
+            assert (_parameters(server, holder) == -1.0).all()
+        finally:
+            channel.stop()
 
 
 def _async(fn, *args):

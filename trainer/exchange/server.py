@@ -72,8 +72,9 @@ _ACCEPT_RETRY = 0.5  # seconds before accepting again after a failed accept
 
 # Takes a push, returns the reply under a lease (``.array``, ``.version``, ``.release()``).
 PushFunction = Callable[..., Awaitable[Any]]
-#: ``(worker, region, attached)``: a worker's reply region in shared memory, or its end.
-SharedReply = Callable[[int, np.ndarray, bool], None]
+#: ``(worker, incarnation, region, attached)``: the reply region in shared memory of a
+#: worker's incarnation, or its end.
+SharedReply = Callable[[int, int, np.ndarray, bool], None]
 
 
 class ChannelServer:
@@ -127,7 +128,8 @@ class ChannelServer:
         self._movers = Movers()
         self._tasks: set[asyncio.Task] = set()
         self._sockets: set[socket.socket] = set()
-        self._by_worker: dict[int, socket.socket] = {}
+        # Each worker's connection, with the incarnation it serves.
+        self._by_worker: dict[int, tuple[socket.socket, int]] = {}
         self._waiting = WaitingRoom(_MAX_UNAUTHENTICATED)  # still to present a token
         self._refusals = Refusals(logger)
         self.address: tuple[str, int] | None = None
@@ -212,12 +214,12 @@ class ChannelServer:
                 worker = member[0]
                 regions = await self._share(sock)
                 if regions is not None and self._shared_reply is not None:
-                    self._shared_reply(worker, regions.reply, True)
+                    self._shared_reply(*member, regions.reply, True)
                 try:
                     await self._serve_pushes(sock, member, regions)
                 finally:
                     if regions is not None and self._shared_reply is not None:
-                        self._shared_reply(worker, regions.reply, False)
+                        self._shared_reply(*member, regions.reply, False)
         except (ConnectionError, OSError, TimeoutError):
             pass  # the worker went away (it rejoins through the actor if it comes back)
         except Exception:
@@ -238,12 +240,19 @@ class ChannelServer:
             await send(sock, _HELLO_TIMEOUT, REFUSED)
             return None
         self._waiting.leave(sock)
-        # A worker that connects again was restarted: its old connection may never see
-        # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
         older = self._by_worker.get(worker)
-        if older is not None and older is not sock:
-            shut(older)
-        self._by_worker[worker] = sock
+        if older is not None and older[1] > incarnation:
+            # A superseded incarnation (its process lives on: retiring, or dropped while
+            # silent) connects after its successor did: it has no place here.
+            self._refusals.note(f"worker {worker}'s incarnation {incarnation}, superseded "
+                                f"by {older[1]}")
+            await send(sock, _HELLO_TIMEOUT, REFUSED)
+            return None
+        if older is not None and older[0] is not sock:
+            # A worker that connects again was restarted: its old connection may never see
+            # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
+            shut(older[0])
+        self._by_worker[worker] = (sock, incarnation)
         await send(sock, self.idle_timeout, ACCEPTED)
         return worker, incarnation
 
@@ -368,7 +377,7 @@ class ChannelServer:
     def _forget(self, sock: socket.socket, worker: int | None) -> None:
         """A connection has ended: close it, and drop it wherever it was kept."""
         self._waiting.leave(sock)
-        if worker is not None and self._by_worker.get(worker) is sock:
+        if worker is not None and self._by_worker.get(worker, (None,))[0] is sock:
             del self._by_worker[worker]
         self._sockets.discard(sock)
         sock.close()

@@ -311,7 +311,8 @@ class ParameterHolder:
         of ``count`` samples; returns the reply under a lease the caller releases once it
         has sent (or copied) it."""
         self._check(worker, incarnation, "a push")
-        return await self._intake.take(worker, version, grads, count, loss, position)
+        return await self._intake.take(worker, incarnation, version, grads, count, loss,
+                                       position)
 
     async def push(self, worker: int, incarnation: int, version: int,
                    grads: np.ndarray | None, count: int, loss: float,

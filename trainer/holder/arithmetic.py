@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import logging
 import math
 import threading
 import warnings
@@ -43,6 +44,8 @@ from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.worker.compute import clip_gradient
 
 __all__ = ["INLINE_SIZE", "SPLIT_SIZE", "Arithmetic", "Lease", "all_finite", "as_tensor"]
+
+logger = logging.getLogger(__name__)
 
 INLINE_SIZE = 1 << 20  # payload elements up to which the serial section runs on the loop
 SPLIT_SIZE = 1 << 20  # payload elements from which averages are computed in two halves
@@ -109,11 +112,13 @@ class Arithmetic:
         # Where master states may live that the holder does not own (see adopt): never
         # taken for spares, whose copies would land in a worker's model.
         self._foreign: set[int] = set()
-        # The reply regions of workers that share memory with the holder (see adopt).
-        self._regions: dict[int, np.ndarray] = {}
+        # The reply regions of workers that share memory with the holder (see adopt), with
+        # the incarnation whose connection offered each.
+        self._regions: dict[int, tuple[int, np.ndarray]] = {}
         self.threaded = layout.size > INLINE_SIZE
         # Calls of serially not yet returned (counted on the event loop, the only caller).
         self._in_flight = 0
+        self._moves: set[asyncio.Task] = set()  # master states leaving a region (pending)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dasktrain-holder") if self.threaded else None
         self._helper = concurrent.futures.ThreadPoolExecutor(
@@ -218,24 +223,70 @@ class Arithmetic:
         # The optimizer's state is keyed by the Parameter objects, not their storage.
         self._optim.repoint(fresh[: self.layout.num_params])
 
-    def region_shared(self, worker: int, region: np.ndarray, attached: bool) -> None:
-        """``worker``'s model lives in ``region``, memory shared with this process
-        (``attached``), or no longer (its connection ended): see :meth:`adopt_for`."""
+    def region_shared(self, worker: int, incarnation: int, region: np.ndarray,
+                      attached: bool) -> None:
+        """``worker``'s ``incarnation`` has its model in ``region``, memory shared with
+        this process (``attached``), or no longer (its connection ended): see
+        :meth:`adopt_for`. Call from the event loop."""
         with self._lock:
             if attached:
-                self._regions[worker] = region
-            elif self._regions.get(worker) is region:
+                held = self._regions.get(worker)
+                if held is None or held[0] <= incarnation:  # an older one's comes late
+                    self._regions[worker] = (incarnation, region)
+                return
+            held = self._regions.get(worker)
+            if held is not None and held[1] is region:
                 del self._regions[worker]
+        # Its worker may live on and write into it (a reply that came by the actor, a
+        # rejoin's parameters): the master state must not stay there.
+        if self._executor is None:
+            self._move_out_of(region)
+        else:  # in order with the updates, and counted as in flight (see promptly)
+            task = asyncio.get_running_loop().create_task(
+                self.serially(self._move_out_of, region))
+            self._moves.add(task)
+            task.add_done_callback(self._moved)
 
-    def adopt_for(self, worker: int) -> None:
-        """Keep the master state in ``worker``'s region, if it shares one (see
-        :meth:`adopt`), while the worker waits for a reply (so does not read it); call
-        inside the serial section."""
+    def _moved(self, task: asyncio.Task) -> None:
+        self._moves.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the holder closed
+            logger.debug("holder: moving the parameters out of a region failed",
+                         exc_info=task.exception())
+
+    def forsake(self, worker: int) -> None:
+        """``worker``'s incarnation is over (lost, left, superseded) although its process
+        may live on: its region is adopted no more, and the master state leaves it (call
+        inside the serial section, before anything is sent to the worker's next
+        incarnation: its join writes the parameters it is sent into its model)."""
         with self._lock:
-            regions = dict(self._regions)
-        region = regions.pop(worker, None)
-        if region is not None:
-            self.adopt(region, list(regions.values()))
+            held = self._regions.pop(worker, None)
+        if held is not None:
+            self._move_out_of(held[1])
+
+    def _move_out_of(self, region: np.ndarray) -> None:
+        """Copy the master state to memory of the holder's own if it lies in ``region``
+        (inside the serial section)."""
+        current = self._flat
+        if current.data_ptr() != region.ctypes.data:
+            return
+        with self._lock:
+            fresh = self._spare.pop() if self._spare else torch.empty_like(current)
+        fresh.copy_(current)
+        self._flat = fresh
+        self._optim.repoint(fresh[: self.layout.num_params])
+
+    def adopt_for(self, worker: int, incarnation: int) -> None:
+        """Keep the master state in the region of ``worker``'s ``incarnation``, if it
+        shares one (see :meth:`adopt`), while it waits for the reply to its push (so does
+        not read it); call inside the serial section. Only that incarnation's own region:
+        a superseded one's reply must not land in the model of its successor, which may be
+        writing its parameters there."""
+        with self._lock:
+            regions = {w: region for w, (_, region) in self._regions.items()}
+            held = self._regions.get(worker)
+        if held is not None and held[0] == incarnation:
+            del regions[worker]
+            self.adopt(held[1], list(regions.values()))
 
     def adopt(self, into: np.ndarray, others: Sequence[np.ndarray] = ()) -> bool:
         """Keep the master state in ``into`` from now on (call inside the serial section,

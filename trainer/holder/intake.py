@@ -42,10 +42,11 @@ class Intake:
         self._usable = usable
         self.arriving: dict[int, Arrival] = {}  # payloads coming over the channel (.early)
 
-    async def take(self, worker: int, version: int, grads: np.ndarray | None, count: int,
-                   loss: float, position: tuple[int, int]) -> Lease:
-        """A push of ``worker``'s current incarnation (the roster checked it): hand it to
-        the mode; the reply under a lease."""
+    async def take(self, worker: int, incarnation: int, version: int,
+                   grads: np.ndarray | None, count: int, loss: float,
+                   position: tuple[int, int]) -> Lease:
+        """A push of ``worker``'s current ``incarnation`` (the roster checked it): hand it
+        to the mode; the reply under a lease."""
         self.arriving.pop(worker, None)  # in, if it came over the channel
         layout = self.host.layout
         if grads is not None and (grads.dtype != np.float32
@@ -74,7 +75,8 @@ class Intake:
         else:
             # An event, not a dropped gradient: its batch counts once, by its first one.
             self.host.record_event(f"worker {worker}'s gradient refused: {refusal}")
-        lease = await self.arith.promptly(self.reply, worker, True)
+        # The incarnation may have been superseded while its push waited in a round.
+        lease = await self.arith.promptly(self.reply, worker, incarnation)
         self.balance.replied(worker, loop.time())
         return lease
 
@@ -89,15 +91,15 @@ class Intake:
             return f"it is of epoch {epoch}, not {ledger.epoch}"
         return ledger.arrive(contribution.worker, batch)
 
-    def reply(self, worker: int, pushed: bool = False) -> Lease:
-        """The reply to ``worker``, leased (in the serial section); ``pushed``: to its push,
-        which it waits for without reading its model."""
+    def reply(self, worker: int, pushed: int | None = None) -> Lease:
+        """The reply to ``worker``, leased (in the serial section); ``pushed``: to the push
+        of this incarnation of it, which waits for it without reading its model."""
         custom = self.mode.reply(worker)
         self.mode.sent(worker)
         if custom is not None:
             return Lease(custom, self.host.version, None)
-        if pushed:  # the worker waits for this reply: its model's region is free
-            self.arith.adopt_for(worker)
+        if pushed is not None:  # that incarnation waits for this reply: its region is free
+            self.arith.adopt_for(worker, pushed)
         return self.arith.lease(self.host.version)
 
     def arriving_payload(self, worker: int, incarnation: int, version: int, count: int,
