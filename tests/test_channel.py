@@ -87,7 +87,7 @@ def test_pushes_over_the_channel_update_the_holder_like_the_actor(client, holder
 
 def test_a_wrong_token_is_refused_and_the_holder_goes_on(client, holder):
     started = time.monotonic()
-    with pytest.raises(ChannelRefused, match="refused worker 0's token"):
+    with pytest.raises(ChannelRefused, match="refused worker 0's connection"):
         _connect(client, holder, token=bytes(16))
     # Refused at once: a wrong token is not tried again for the reconnect deadline.
     assert time.monotonic() - started < client_module._RECONNECT_WITHIN / 2
@@ -141,6 +141,24 @@ def test_a_reconnecting_worker_replaces_its_old_connection(client, holder):
     finally:
         old.close()
         new.close()
+
+
+def test_a_superseded_incarnation_cannot_take_its_successors_connection():
+    """A task of worker 0 run again (incarnation 2) connects; the first one, whose process
+    lives on (retiring, or dropped while silent), connects after it: refused, and the
+    successor's connection goes on (were it closed, its worker would fail)."""
+    async def echo(worker, incarnation, version, grads, count, loss, position) -> Lease:
+        return Lease(np.full(FEATURES, float(incarnation), np.float32), version + 1, None)
+
+    with serve_channel(echo, FEATURES) as server:
+        successor = ChannelClient(server.contact(0, 2), 0, FEATURES, 10, lambda: True)
+        try:
+            with pytest.raises(ChannelRefused, match="a newer task of the worker connected"):
+                ChannelClient(server.contact(0, 1), 0, FEATURES, 10, lambda: True)
+            params, version = _push(successor, 0).result(timeout=30)
+            assert version == 1 and (params == 2.0).all()
+        finally:
+            successor.stop()
 
 
 def test_a_worker_reconnecting_while_its_push_waits_on_the_barrier(client):
@@ -201,7 +219,7 @@ def test_a_worker_token_cannot_connect_as_another_worker(client, holder):
     try:
         # Worker 0's token presented as worker 1's: refused, and worker 1's live
         # connection (which a connection as worker 1 would replace) is left alone.
-        with pytest.raises(ChannelRefused, match="refused worker 1's token"):
+        with pytest.raises(ChannelRefused, match="refused worker 1's connection"):
             _connect(client, holder, worker=0, claim=1)
         params, version = _push(other, 0).result(timeout=30)
         assert version == 1 and np.array_equal(params, -np.ones(FEATURES))

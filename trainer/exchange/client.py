@@ -288,7 +288,8 @@ class ChannelClient:
             link.recv_into(memoryview(accepted), wait, handshake=True)
             if accepted == REFUSED:
                 raise ChannelRefused(f"the parameter holder ({self._host}) refused worker "
-                                     f"{self._worker}'s token: it is not this holder's")
+                                     f"{self._worker}'s connection: its token is not this "
+                                     "holder's, or a newer task of the worker connected")
             self.shared = None
             if link.sock.family == socket.AF_UNIX:
                 self._share(link, wait)
