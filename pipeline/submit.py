@@ -80,7 +80,15 @@ class LocalReaders:
             done = threading.Event() if len(turns) < IN_TURN else None
             if done is not None:
                 turns[group] = done
-        future = self.groups.submit(_read_in_turn, context, group, after, done)
+        try:
+            future = self.groups.submit(_read_in_turn, context, group, after, done)
+        except RuntimeError:
+            # Shut down meanwhile (the pipeline closed under its feeder): nobody reads the
+            # group now. The claim goes, or the windows of another pipeline of this
+            # process that need the group (a replica beside it, on the same data) would
+            # wait for a read that never comes.
+            _drop(context, group, done)
+            raise
         future.add_done_callback(functools.partial(_if_cancelled, context, group, done))
 
     def shutdown(self, wait: bool) -> None:
@@ -105,9 +113,15 @@ def _if_cancelled(context: EpochContext, group: int, done: threading.Event | Non
     """A read cancelled before it ran (the pipeline closed): its units, and the reads in
     turn after it, go on."""
     if future.cancelled():
-        drop_claim(context, group)
-        if done is not None:
-            done.set()
+        _drop(context, group, done)
+
+
+def _drop(context: EpochContext, group: int, done: threading.Event | None) -> None:
+    """A claimed read that will not run: its units, and the reads in turn after it, go
+    on."""
+    drop_claim(context, group)
+    if done is not None:
+        done.set()
 
 
 def release(future: Submitted) -> None:

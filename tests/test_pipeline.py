@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import os
 import threading
+import time
 
 import dask
 import numpy as np
@@ -564,3 +565,32 @@ def test_without_a_transform_blocks_are_read_in_the_consumer(client, indexed):
                              placement="anywhere"))
     for a, b in zip(mine, there, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_read_ahead_refused_by_a_closed_pipeline_holds_up_no_other(client, indexed):
+    """Two replicas of a trainer in one process read the same data (a task run again
+    beside another): their pipelines share the reads of each group. One closes while its
+    feeder asks for a group to be read ahead; that read will never run, so the group must
+    not stay claimed: the other pipeline's windows of it read it themselves at once (they
+    would wait out a read's bound, minutes)."""
+    from dasktrain.pipeline.submit import LocalReaders
+    from dasktrain.pipeline.tasks import EpochContext, load_window
+
+    pipe = dt.Pipeline(indexed, batch_size=100, seed=2, client=client)
+    assert pipe.placement == "consumer"
+    plan = pipe.plan(0)
+    # A digest of its own: this process may have read the pipeline's groups in other tests.
+    context = EpochContext.here(f"refused-{os.getpid()}-{time.monotonic_ns()}", pipe._ref,
+                                plan, None)
+    closed = LocalReaders()
+    closed.shutdown(wait=True)
+    group = plan.window_spans[0].group
+    with pytest.raises(RuntimeError, match="shutdown"):
+        closed.read_ahead(context, group)
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # the other pipeline's read thread
+    try:
+        arrays = pool.submit(load_window, context, 0).result(timeout=30)
+    finally:
+        pool.shutdown(wait=False)
+    span = plan.window_spans[0]
+    assert len(arrays["x"]) == span.stop - span.start
