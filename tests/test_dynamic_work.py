@@ -206,10 +206,11 @@ def test_a_worker_killed_mid_epoch_loses_nothing(three, rows, mode, tmp_path):
 @pytest.mark.parametrize("mode", DYNAMIC_MODES)
 def test_resume_mid_epoch_with_fewer_workers_finishes_the_epoch_once(three, rows, mode,
                                                                       tmp_path):
-    # Epochs of about 1.5 s, failing about 1 s into the second, after a mid-epoch checkpoint
-    # (the driver looks for one every half second).
+    # Epochs of about 1.5 s, failing at the 50th of the second's 90 batches (about 0.8 s
+    # in, whichever process computes it), after a mid-epoch checkpoint (the driver looks
+    # for one every half second).
     failing = functools.partial(spread, pace=0.05, marker=str(tmp_path / "failed"),
-                                fail_after=20, fail_epoch=1)
+                                fail_after=50, fail_epoch=1)
     # In ``average`` an update is a round: short ones, for checkpoints within the epoch.
     rounds = {"mode_options": {"average_every": 2}} if mode == "average" else {}
     first = _trainer(mode, failing, checkpoint_every=5, **rounds)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import dasktrain as dt
+from tests.common.builders import claim_marker
 
 __all__ = ["ROWS", "Tally", "TallyOptimizer", "paced_mse", "register_tally", "spread",
            "tally"]
@@ -54,21 +55,37 @@ def spread(output: torch.Tensor, target: torch.Tensor, slow_rank: int = -1,
     """The mean output (its gradient marks the batch's rows). Every rank sleeps ``pace``
     seconds per batch and rank ``slow_rank`` ``delay`` instead (a slow worker); the
     process of rank ``kill_rank`` is killed (SIGKILL) at its ``kill_after``-th batch, and
-    the ``fail_after``-th batch of epoch ``fail_epoch`` in a process raises, each once per
-    test (``marker`` file)."""
+    the batch that is the ``fail_after``-th of epoch ``fail_epoch`` across every process
+    raises, each once per test (``marker`` file)."""
     del target
     rank, epoch = _task() or (None, None)
     if rank is not None:
         time.sleep(delay if rank == slow_rank else pace)
-    if marker and not Path(marker).exists() and (not fail_after or epoch == fail_epoch):
-        _CALLS[marker] = _CALLS.get(marker, 0) + 1
-        if rank == kill_rank and _CALLS[marker] >= kill_after:
-            Path(marker).touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fail_after and _CALLS[marker] >= fail_after:
-            Path(marker).touch()
+    if not marker or Path(marker).exists():
+        return output.mean()
+    if fail_after:
+        # Counted across processes: one process's count says nothing of the epoch's
+        # progress when the processes run at different paces.
+        if epoch == fail_epoch and _count_across_processes(marker) >= fail_after \
+                and claim_marker(Path(marker), "failed"):
             raise RuntimeError("the loss fails once, on purpose")
+        return output.mean()
+    _CALLS[marker] = _CALLS.get(marker, 0) + 1
+    if rank == kill_rank and _CALLS[marker] >= kill_after:
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
     return output.mean()
+
+
+def _count_across_processes(marker: str) -> int:
+    """One more call, counted in a file beside ``marker`` that every process appends a
+    byte to: how many calls there were, this one included."""
+    fd = os.open(f"{marker}.calls", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b".")  # one small append: whole, whichever process writes at once
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def paced_mse(output: torch.Tensor, target: torch.Tensor, pace: float) -> torch.Tensor:
