@@ -119,6 +119,7 @@ class Arithmetic:
         # Calls of serially not yet returned (counted on the event loop, the only caller).
         self._in_flight = 0
         self._moves: set[asyncio.Task] = set()  # master states leaving a region (pending)
+        self._closed = False  # no update follows: the serial thread is shut down
         self._executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dasktrain-holder") if self.threaded else None
         self._helper = concurrent.futures.ThreadPoolExecutor(
@@ -150,6 +151,7 @@ class Arithmetic:
         return await self.serially(fn, *args)
 
     def close(self) -> None:
+        self._closed = True
         self._drop_early()
         for pool in (self._executor, self._helper, self._early_thread):
             if pool is not None:
@@ -241,7 +243,7 @@ class Arithmetic:
         # rejoin's parameters): the master state must not stay there.
         if self._executor is None:
             self._move_out_of(region)
-        else:  # in order with the updates, and counted as in flight (see promptly)
+        elif not self._closed:  # in order with the updates, counted as in flight (promptly)
             task = asyncio.get_running_loop().create_task(
                 self.serially(self._move_out_of, region))
             self._moves.add(task)
@@ -253,15 +255,15 @@ class Arithmetic:
             logger.debug("holder: moving the parameters out of a region failed",
                          exc_info=task.exception())
 
-    def forsake(self, worker: int) -> None:
+    async def forsake(self, worker: int) -> None:
         """``worker``'s incarnation is over (lost, left, superseded) although its process
-        may live on: its region is adopted no more, and the master state leaves it (call
-        inside the serial section, before anything is sent to the worker's next
+        may live on: its region is adopted no more, and the master state leaves it, in
+        order with the updates (await it before anything is sent to the worker's next
         incarnation: its join writes the parameters it is sent into its model)."""
         with self._lock:
             held = self._regions.pop(worker, None)
-        if held is not None:
-            self._move_out_of(held[1])
+        if held is not None and not self._closed:
+            await self.serially(self._move_out_of, held[1])
 
     def _move_out_of(self, region: np.ndarray) -> None:
         """Copy the master state to memory of the holder's own if it lies in ``region``

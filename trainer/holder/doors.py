@@ -138,7 +138,7 @@ class Doors:
         if state != "done":
             # Its process may live on (retiring, silent, superseded) and write into its
             # model, where the holder may keep its parameters (see Arithmetic.adopt).
-            await self.host.serially(self.host.arith.forsake, worker)
+            await self.host.arith.forsake(worker)
         if state == "lost" and self.shards is not None:
             await self._fail(ShardedWorkerLost(
                 f"trainer worker {worker} was lost during the fit ({event}); with the holder "
