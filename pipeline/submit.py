@@ -70,7 +70,8 @@ class LocalReaders:
         cores (zarr decodes a read's chunks in threads of its own): the first batch waits
         for the first, and the consumer is through the first groups before two reads at
         once, each on a core, finish."""
-        if not claim_read(context, group):
+        claim = claim_read(context, group)
+        if claim is None:
             return
         with self._lock:
             turns = self._turns.setdefault(context.digest, {})
@@ -81,45 +82,47 @@ class LocalReaders:
             if done is not None:
                 turns[group] = done
         try:
-            future = self.groups.submit(_read_in_turn, context, group, after, done)
+            future = self.groups.submit(_read_in_turn, context, group, claim, after, done)
         except RuntimeError:
             # Shut down meanwhile (the pipeline closed under its feeder): nobody reads the
             # group now. The claim goes, or the windows of another pipeline of this
             # process that need the group (a replica beside it, on the same data) would
             # wait for a read that never comes.
-            _drop(context, group, done)
+            _drop(context, group, claim, done)
             raise
-        future.add_done_callback(functools.partial(_if_cancelled, context, group, done))
+        future.add_done_callback(functools.partial(_if_cancelled, context, group, claim,
+                                                   done))
 
     def shutdown(self, wait: bool) -> None:
         for pool in (self.groups, self.units):
             pool.shutdown(wait=wait, cancel_futures=True)
 
 
-def _read_in_turn(context: EpochContext, group: int, after: threading.Event | None,
-                  done: threading.Event | None) -> None:
+def _read_in_turn(context: EpochContext, group: int, claim: threading.Event,
+                  after: threading.Event | None, done: threading.Event | None) -> None:
     """:func:`read_ahead` once ``after`` is set (the read before it is over)."""
     try:
         if after is not None:
             after.wait(READ_WAIT)
-        read_ahead(context, group)
+        read_ahead(context, group, claim)
     finally:
         if done is not None:
             done.set()
 
 
-def _if_cancelled(context: EpochContext, group: int, done: threading.Event | None,
-                  future: concurrent.futures.Future) -> None:
+def _if_cancelled(context: EpochContext, group: int, claim: threading.Event,
+                  done: threading.Event | None, future: concurrent.futures.Future) -> None:
     """A read cancelled before it ran (the pipeline closed): its units, and the reads in
     turn after it, go on."""
     if future.cancelled():
-        _drop(context, group, done)
+        _drop(context, group, claim, done)
 
 
-def _drop(context: EpochContext, group: int, done: threading.Event | None) -> None:
+def _drop(context: EpochContext, group: int, claim: threading.Event,
+          done: threading.Event | None) -> None:
     """A claimed read that will not run: its units, and the reads in turn after it, go
     on."""
-    drop_claim(context, group)
+    drop_claim(context, group, claim)
     if done is not None:
         done.set()
 

@@ -158,6 +158,7 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
     not all of it); with ``keep``, kept for the group's next windows, which
     usually run in the same process (a group is read once, not once per window)."""
     key = (context.digest, group)
+    mine = None  # this thread's claim of the read, where others may wait for it
     while True:
         with _GROUPS_LOCK:
             found = _GROUPS.get(key)
@@ -171,7 +172,7 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
             if reading is None:
                 _started(key)
                 if keep:  # this thread reads it; another that asks meanwhile waits
-                    _READING[key] = threading.Event()
+                    mine = _READING[key] = threading.Event()
                 break
         # Another thread of this process is reading the group (a window next to this
         # one): wait for its read rather than make a second. It is running, not queued,
@@ -184,8 +185,8 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
         if left > 0:
             _keep_group(key, read, left)
     finally:
-        if keep:
-            _read_over(key)
+        if mine is not None:
+            _read_over(key, mine)
     return read
 
 
@@ -200,32 +201,37 @@ def _keep_group(key: tuple[str, int], read: tuple[dict[str, np.ndarray], bool], 
             _GROUPS.popitem(last=False)
 
 
-def _read_over(key: tuple[str, int], forget: bool = False) -> None:
-    """The read of ``key``'s group is over (``forget``: given up, as if never begun): the
-    windows that wait for it go on."""
+def _read_over(key: tuple[str, int], claim: threading.Event, forget: bool = False) -> None:
+    """The read of ``key``'s group that ``claim`` stands for is over (``forget``: given up,
+    as if never begun): the windows that wait for it go on. Only that claim: a later one
+    of the same group (another pipeline of this process on the same data) stays."""
     with _GROUPS_LOCK:
         if forget:
             _STARTED.pop(key, None)
-        done = _READING.pop(key, None)
-    if done is not None:
-        done.set()
+        if _READING.get(key) is claim:
+            del _READING[key]
+    claim.set()
 
 
-def claim_read(context: EpochContext, group: int) -> bool:
+def claim_read(context: EpochContext, group: int) -> threading.Event | None:
     """Claim a group's read for a read ahead (placement "consumer": see
     :class:`~dasktrain.pipeline.submit.LocalReaders`), unless this process has read it, or
-    started to, already: from now on its windows wait for that read rather than make their
-    own. True if claimed; then :func:`read_ahead` or :func:`drop_claim` must follow."""
+    is reading it, already: from now on its windows wait for that read rather than make
+    their own. The claim, or None; a claim must be given to :func:`read_ahead` or
+    :func:`drop_claim`."""
     key = (context.digest, group)
     with _GROUPS_LOCK:
-        if key in _STARTED:
-            return False
+        # A read under way is known by its claim even where its start was forgotten (a
+        # pipeline on the same data closed): a second claim would leave the windows
+        # waiting for the first without anyone to wake them.
+        if key in _STARTED or key in _READING:
+            return None
         _started(key)
-        _READING[key] = threading.Event()
-    return True
+        claim = _READING[key] = threading.Event()
+    return claim
 
 
-def read_ahead(context: EpochContext, group: int) -> None:
+def read_ahead(context: EpochContext, group: int, claim: threading.Event) -> None:
     """Read a group claimed with :func:`claim_read` and keep it for all its windows. A read
     that fails is left to the windows, which read the group again and name the fault."""
     tune_allocator()  # before the first large buffer of this process
@@ -235,15 +241,15 @@ def read_ahead(context: EpochContext, group: int) -> None:
         read = _read_blocks(ref, plan, group)
         _keep_group(key, read, _windows_of(context.digest, plan)[group])
     except BlockFailed:
-        _read_over(key, forget=True)
+        _read_over(key, claim, forget=True)
     finally:
-        _read_over(key)
+        _read_over(key, claim)
 
 
-def drop_claim(context: EpochContext, group: int) -> None:
+def drop_claim(context: EpochContext, group: int, claim: threading.Event) -> None:
     """Give up a read claimed with :func:`claim_read` (cancelled, or failed): the windows
     that wait for it, or ask later, read the group themselves."""
-    _read_over((context.digest, group), forget=True)
+    _read_over((context.digest, group), claim, forget=True)
 
 
 def forget_groups(token: str) -> None:

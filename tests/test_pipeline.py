@@ -594,3 +594,39 @@ def test_a_read_ahead_refused_by_a_closed_pipeline_holds_up_no_other(client, ind
         pool.shutdown(wait=False)
     span = plan.window_spans[0]
     assert len(arrays["x"]) == span.stop - span.start
+
+
+def test_a_group_read_ahead_for_a_closed_pipeline_wakes_the_windows_waiting_for_it(
+        client, indexed):
+    """Two replicas in one process read the same data. One's read ahead of a group is under
+    way, and a window of the other waits for it, when the first pipeline closes (it forgets
+    which groups it read). The other pipeline's read ahead then finds the read under way
+    and claims nothing: a second claim would take the first one's place, and the window
+    waiting for the first would not be woken when it ends (it would wait out the read's
+    bound, minutes)."""
+    from dasktrain.pipeline.tasks import (
+        EpochContext,
+        claim_read,
+        forget_groups,
+        load_window,
+        read_ahead,
+    )
+
+    pipe = dt.Pipeline(indexed, batch_size=100, seed=2, client=client)
+    plan = pipe.plan(0)
+    token = f"closing-{os.getpid()}-{time.monotonic_ns()}"  # this test's own groups
+    context = EpochContext.here(f"{token}-0", pipe._ref, plan, None)
+    group = plan.window_spans[0].group
+    first = claim_read(context, group)  # the first replica's read ahead, under way
+    assert first is not None
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        waiting = pool.submit(load_window, context, 0)  # the other replica's window
+        forget_groups(token)  # the first replica's pipeline closes
+        assert claim_read(context, group) is None  # the read is under way: no second claim
+        read_ahead(context, group, first)
+        arrays = waiting.result(timeout=30)
+    finally:
+        pool.shutdown(wait=False)
+    span = plan.window_spans[0]
+    assert len(arrays["x"]) == span.stop - span.start
