@@ -12,8 +12,9 @@ room long before ``capacity`` newer connections could push it out; a silent conn
 the one that grows old there. The descriptors held stay bounded all the same, and an
 authenticated connection never counts: it has left the room.
 
-:class:`Refusals` keeps the warnings of refused connections few, and
-:func:`local_listener` opens the local socket workers on the holder's host connect to.
+:class:`Members` keeps each worker's one connection once its token is presented,
+:class:`Refusals` keeps the warnings of refused connections few, and :func:`local_listener`
+opens the local socket workers on the holder's host connect to.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import socket
 import sys
 import time
 
-__all__ = ["Refusals", "WaitingRoom", "local_listener"]
+__all__ = ["Members", "Refusals", "WaitingRoom", "local_listener"]
 
 _LOG_EVERY = 60.0  # seconds between warnings of refused connections
 
@@ -79,6 +80,41 @@ def local_listener() -> socket.socket | None:
         listener.close()
         return None
     return listener
+
+
+class Members:
+    """Each worker's authenticated connection, with the incarnation it serves.
+
+    A worker that connects again was restarted: its old connection may never see an end (a
+    vanished machine sends no reset) and holds a payload-sized buffer, so it is given back
+    to be closed. A superseded incarnation (its process lives on: retiring, or dropped while
+    silent) that connects after its successor has no place: closing the successor's
+    connection would fail a worker that lives. Used from the holder's event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._by_worker: dict[int, tuple[socket.socket, int]] = {}
+
+    def superseding(self, worker: int, incarnation: int) -> int | None:
+        """The newer incarnation of ``worker`` that is connected, if any."""
+        held = self._by_worker.get(worker)
+        return held[1] if held is not None and held[1] > incarnation else None
+
+    def enter(self, worker: int, incarnation: int, sock: socket.socket
+              ) -> socket.socket | None:
+        """``sock`` serves ``worker``'s ``incarnation`` from now on; the connection it
+        replaces, to close."""
+        held = self._by_worker.get(worker)
+        self._by_worker[worker] = (sock, incarnation)
+        return held[0] if held is not None and held[0] is not sock else None
+
+    def leave(self, worker: int, sock: socket.socket) -> None:
+        """``sock`` has ended (a newer connection of the worker stays)."""
+        if self._by_worker.get(worker, (None,))[0] is sock:
+            del self._by_worker[worker]
+
+    def __len__(self) -> int:
+        return len(self._by_worker)
 
 
 class Refusals:

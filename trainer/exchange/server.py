@@ -36,7 +36,7 @@ import numpy as np
 
 from dasktrain.trainer.errors import Fenced
 from dasktrain.trainer.exchange import shared
-from dasktrain.trainer.exchange.admission import Refusals, WaitingRoom, local_listener
+from dasktrain.trainer.exchange.admission import Members, Refusals, WaitingRoom, local_listener
 from dasktrain.trainer.exchange.buckets import reply_order
 from dasktrain.trainer.exchange.landing import Arriving, Landing
 from dasktrain.trainer.exchange.protocol import (
@@ -128,8 +128,7 @@ class ChannelServer:
         self._movers = Movers()
         self._tasks: set[asyncio.Task] = set()
         self._sockets: set[socket.socket] = set()
-        # Each worker's connection, with the incarnation it serves.
-        self._by_worker: dict[int, tuple[socket.socket, int]] = {}
+        self._members = Members()  # each worker's connection, by incarnation
         self._waiting = WaitingRoom(_MAX_UNAUTHENTICATED)  # still to present a token
         self._refusals = Refusals(logger)
         self.address: tuple[str, int] | None = None
@@ -235,24 +234,18 @@ class ChannelServer:
         async with asyncio.timeout(_HELLO_TIMEOUT):
             await recv_into(sock, memoryview(hello))
         token, worker, incarnation = HELLO.unpack(hello)
+        why = None
         if not hmac.compare_digest(token, self._token(worker, incarnation)):
-            self._refusals.note(f"a wrong token for worker {worker}")
+            why = f"a wrong token for worker {worker}"
+        elif (newer := self._members.superseding(worker, incarnation)) is not None:
+            why = f"worker {worker}'s incarnation {incarnation}, superseded by {newer}"
+        if why is not None:
+            self._refusals.note(why)
             await send(sock, _HELLO_TIMEOUT, REFUSED)
             return None
         self._waiting.leave(sock)
-        older = self._by_worker.get(worker)
-        if older is not None and older[1] > incarnation:
-            # A superseded incarnation (its process lives on: retiring, or dropped while
-            # silent) connects after its successor did: it has no place here.
-            self._refusals.note(f"worker {worker}'s incarnation {incarnation}, superseded "
-                                f"by {older[1]}")
-            await send(sock, _HELLO_TIMEOUT, REFUSED)
-            return None
-        if older is not None and older[0] is not sock:
-            # A worker that connects again was restarted: its old connection may never see
-            # an end (a vanished machine sends no reset) and holds a payload-sized buffer.
-            shut(older[0])
-        self._by_worker[worker] = (sock, incarnation)
+        if (older := self._members.enter(worker, incarnation, sock)) is not None:
+            shut(older)  # see Members
         await send(sock, self.idle_timeout, ACCEPTED)
         return worker, incarnation
 
@@ -377,8 +370,8 @@ class ChannelServer:
     def _forget(self, sock: socket.socket, worker: int | None) -> None:
         """A connection has ended: close it, and drop it wherever it was kept."""
         self._waiting.leave(sock)
-        if worker is not None and self._by_worker.get(worker, (None,))[0] is sock:
-            del self._by_worker[worker]
+        if worker is not None:
+            self._members.leave(worker, sock)
         self._sockets.discard(sock)
         sock.close()
 

@@ -12,12 +12,11 @@ over ``INLINE_SIZE`` values run them on one private thread (the event loop keeps
 heartbeats and transfers meanwhile); smaller ones on the event loop itself, where the work
 takes less than the hand-off to a thread would add.
 
-The average of large payloads, its finiteness check and a plain SGD step are computed in
-two halves at once, the second on a helper thread: in lock-step modes every worker waits for
-the update, so a core that would idle takes half of those passes over memory. The check is
-made on each half of the average as it is written, while it is still in cache. A round's
-average may also be begun while its last payloads arrive (:meth:`Arithmetic.begin_mean`,
-see :mod:`.early`); the update then finds it written.
+The average of large payloads (:mod:`.mean`), its finiteness check and a plain SGD step
+are computed in two halves at once, the second on a helper thread: in lock-step modes every
+worker waits for the update, so a core that would idle takes half of those passes over
+memory. The check is made on each half of the average as it is written, while it is still
+in cache.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import dataclasses
 import logging
 import math
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,7 +36,7 @@ import torch
 
 from dasktrain.trainer.exchange.landing import Landing
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.holder.early import EarlyMean, lower_priority
+from dasktrain.trainer.holder.mean import Means, as_tensor
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.worker.compute import clip_gradient
@@ -50,16 +48,6 @@ logger = logging.getLogger(__name__)
 INLINE_SIZE = 1 << 20  # payload elements up to which the serial section runs on the loop
 SPLIT_SIZE = 1 << 20  # payload elements from which averages are computed in two halves
 _SPARE_BUFFERS = 4  # released copies kept for reuse (fresh allocations cost page faults)
-
-
-def as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor over ``array`` without a copy (received buffers may be read-only; they are
-    only ever read)."""
-    if array.flags.writeable:  # the common case, without the cost of catching warnings
-        return torch.from_numpy(array)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -102,9 +90,6 @@ class Arithmetic:
         self._optim = FlatOptimizer(optimizer, self._flat[: layout.num_params],
                                     layout.param_segments(), names)
         self._optimizer = self._optim.optimizer
-        self._average_buffer = torch.empty(layout.size, dtype=torch.float32)
-        # The sums of the last average's parts, for the finiteness check that follows it.
-        self._average_sums: tuple[torch.Tensor, list[float]] | None = None
         self.updates = 0  # optimizer steps taken (the schedule's step counter)
         self._lock = threading.Lock()  # lease counts: released from any thread
         self._leases: dict[int, int] = {}  # id of a leased buffer -> leases on it
@@ -125,10 +110,7 @@ class Arithmetic:
         self._helper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dasktrain-holder-half") if layout.size >= SPLIT_SIZE \
             else None
-        # A round's mean begun before the round closed (see .early), and its thread.
-        self._early: EarlyMean | None = None
-        self._early_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self.early_means = 0  # averages found written by a mean begun early
+        self.means = Means(layout.size, self._in_halves)  # a round's, into a scratch buffer
 
     # -- the serial section ------------------------------------------------------------
     async def serially(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -152,8 +134,8 @@ class Arithmetic:
 
     def close(self) -> None:
         self._closed = True
-        self._drop_early()
-        for pool in (self._executor, self._helper, self._early_thread):
+        self.means.close()
+        for pool in (self._executor, self._helper):
             if pool is not None:
                 pool.shutdown(wait=False)
 
@@ -174,7 +156,7 @@ class Arithmetic:
     def all_finite(self, values: torch.Tensor) -> bool:
         """Whether every value is finite (:func:`all_finite`, in halves at once); for the
         average just returned by :meth:`average`, from the sums taken as it was written."""
-        sums, self._average_sums = self._average_sums, None
+        sums, self.means.sums = self.means.sums, None
         if sums is not None and sums[0] is values and all(map(math.isfinite, sums[1])):
             return True
         return all(self._in_halves(len(values), lambda part: all_finite(values[part])))
@@ -322,84 +304,18 @@ class Arithmetic:
     # -- updates -----------------------------------------------------------------------
     def average(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
                 overflow_safe: bool = False) -> torch.Tensor | None:
-        """The ``weights``-weighted mean of ``payloads`` (a scratch buffer, valid until the
-        next call). ``overflow_safe``: as a weighted sum, which stays finite for finite
-        payloads; the running mean takes differences, which overflow near the float32
-        limit."""
-        self._average_sums = None
-        with self._lock:
-            early, self._early = self._early, None
-        if early is not None and not overflow_safe and len(payloads) > 1:
-            part = self._mean_part(payloads, weights, overflow_safe=False)
-            # What the early mean left is written at full speed (in halves).
-            sums = early.finish(payloads, weights,
-                                lambda start, stop: self._in_halves(stop, part, start))
-            if sums is not None:
-                self.early_means += 1
-                self._average_sums = (self._average_buffer, sums)
-                return self._average_buffer
-        if early is not None:
-            early.stop()
-        if not payloads:
-            return None
-        if len(payloads) == 1:
-            return as_tensor(payloads[0])
-        weighted_sum = self._mean_part(payloads, weights, overflow_safe)
-        self._average_sums = (self._average_buffer,
-                              self._in_halves(len(self._average_buffer), weighted_sum))
-        return self._average_buffer
+        """See :meth:`Means.average`."""
+        return self.means.average(payloads, weights, overflow_safe)
 
     def begin_mean(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
                    landings: Sequence[Landing | None]) -> None:
-        """Begin :meth:`average` of ``payloads`` with ``weights`` on a low-priority thread,
-        slice by slice as each is in every payload still arriving (``landings``: None for
-        one already whole); the next :meth:`average` of them takes it over (see
-        :mod:`.early`). Call from the event loop, while nothing else averages."""
-        self._drop_early()
-        early = EarlyMean(payloads, weights, landings,
-                          self._mean_part(payloads, weights, overflow_safe=False))
-        if self._early_thread is None:
-            self._early_thread = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="dasktrain-holder-early", initializer=lower_priority)
-        with self._lock:
-            self._early = early
-        self._early_thread.submit(early.run)
+        """See :meth:`Means.begin`."""
+        self.means.begin(payloads, weights, landings)
 
-    def _drop_early(self) -> None:
-        """Stop a mean begun early that no update took."""
-        with self._lock:
-            early, self._early = self._early, None
-        if early is not None:
-            early.stop()
-
-    def _mean_part(self, payloads: Sequence[np.ndarray], weights: Sequence[float],
-                   overflow_safe: bool) -> Callable[[slice], float]:
-        """What writes one part of the weighted mean of ``payloads`` into the average's
-        buffer and returns its sum (the same values whatever the parts)."""
-        total = float(sum(weights))
-        out = self._average_buffer
-        tensors = [as_tensor(p) for p in payloads]
-        if overflow_safe or total <= 0:
-            total = total or 1.0
-
-            def weighted_sum(part: slice) -> float:
-                torch.mul(tensors[0][part], weights[0] / total, out=out[part])
-                for tensor, weight in zip(tensors[1:], weights[1:], strict=True):
-                    out[part].add_(tensor[part], alpha=weight / total)
-                return float(out[part].sum())
-        else:
-            # A running weighted mean, one pass per further payload: after each step ``out``
-            # is the mean of the payloads so far (lerp: out + w * (g - out)).
-            def weighted_sum(part: slice) -> float:
-                seen = weights[0] + weights[1]
-                torch.lerp(tensors[0][part], tensors[1][part],
-                           weights[1] / seen if seen else 0.5, out=out[part])
-                for tensor, weight in zip(tensors[2:], weights[2:], strict=True):
-                    seen += weight
-                    if weight:
-                        out[part].lerp_(tensor[part], weight / seen)
-                return float(out[part].sum())
-        return weighted_sum
+    @property
+    def early_means(self) -> int:
+        """Averages found written by a mean begun early."""
+        return self.means.early_means
 
     def lr(self, scale: float = 1.0) -> float:
         """The learning rate of the next step, times ``scale``."""
@@ -420,7 +336,7 @@ class Arithmetic:
         grad = payload[:n]
         if self.clip != (None, None):
             # Into the scratch buffer: the payload may be a received buffer or a mode's.
-            scratch = self._average_buffer[:n]
+            scratch = self.means.buffer[:n]
             if scratch.data_ptr() != grad.data_ptr():
                 scratch.copy_(grad)
             grad = clip_gradient(scratch, *self.clip)
