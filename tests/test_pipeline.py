@@ -7,6 +7,7 @@ import dataclasses
 import os
 import threading
 import time
+from typing import Any
 
 import dask
 import numpy as np
@@ -567,6 +568,24 @@ def test_without_a_transform_blocks_are_read_in_the_consumer(client, indexed):
         np.testing.assert_array_equal(a, b)
 
 
+def _epoch_of_its_own(client, indexed) -> tuple[EpochPlan, Any, str]:
+    """A consumer-read pipeline's epoch-0 plan and a context for it under a token of this
+    test's own (this process may have read the pipeline's groups in other tests)."""
+    from dasktrain.pipeline.tasks import EpochContext
+
+    pipe = dt.Pipeline(indexed, batch_size=100, seed=2, client=client)
+    assert pipe.placement == "consumer"
+    plan = pipe.plan(0)
+    token = f"own-{os.getpid()}-{time.monotonic_ns()}"
+    return plan, EpochContext.here(f"{token}-0", pipe._ref, plan, None), token
+
+
+def _first_window_read(plan: EpochPlan, read: concurrent.futures.Future) -> None:
+    """``read`` (of window 0) ends within 30 s with the window's rows."""
+    span = plan.window_spans[0]
+    assert len(read.result(timeout=30)["x"]) == span.stop - span.start
+
+
 def test_a_read_ahead_refused_by_a_closed_pipeline_holds_up_no_other(client, indexed):
     """Two replicas of a trainer in one process read the same data (a task run again
     beside another): their pipelines share the reads of each group. One closes while its
@@ -574,14 +593,9 @@ def test_a_read_ahead_refused_by_a_closed_pipeline_holds_up_no_other(client, ind
     not stay claimed: the other pipeline's windows of it read it themselves at once (they
     would wait out a read's bound, minutes)."""
     from dasktrain.pipeline.submit import LocalReaders
-    from dasktrain.pipeline.tasks import EpochContext, load_window
+    from dasktrain.pipeline.tasks import load_window
 
-    pipe = dt.Pipeline(indexed, batch_size=100, seed=2, client=client)
-    assert pipe.placement == "consumer"
-    plan = pipe.plan(0)
-    # A digest of its own: this process may have read the pipeline's groups in other tests.
-    context = EpochContext.here(f"refused-{os.getpid()}-{time.monotonic_ns()}", pipe._ref,
-                                plan, None)
+    plan, context, _ = _epoch_of_its_own(client, indexed)
     closed = LocalReaders()
     closed.shutdown(wait=True)
     group = plan.window_spans[0].group
@@ -589,11 +603,9 @@ def test_a_read_ahead_refused_by_a_closed_pipeline_holds_up_no_other(client, ind
         closed.read_ahead(context, group)
     pool = concurrent.futures.ThreadPoolExecutor(1)  # the other pipeline's read thread
     try:
-        arrays = pool.submit(load_window, context, 0).result(timeout=30)
+        _first_window_read(plan, pool.submit(load_window, context, 0))
     finally:
         pool.shutdown(wait=False)
-    span = plan.window_spans[0]
-    assert len(arrays["x"]) == span.stop - span.start
 
 
 def test_a_group_read_ahead_for_a_closed_pipeline_wakes_the_windows_waiting_for_it(
@@ -604,18 +616,9 @@ def test_a_group_read_ahead_for_a_closed_pipeline_wakes_the_windows_waiting_for_
     and claims nothing: a second claim would take the first one's place, and the window
     waiting for the first would not be woken when it ends (it would wait out the read's
     bound, minutes)."""
-    from dasktrain.pipeline.tasks import (
-        EpochContext,
-        claim_read,
-        forget_groups,
-        load_window,
-        read_ahead,
-    )
+    from dasktrain.pipeline.tasks import claim_read, forget_groups, load_window, read_ahead
 
-    pipe = dt.Pipeline(indexed, batch_size=100, seed=2, client=client)
-    plan = pipe.plan(0)
-    token = f"closing-{os.getpid()}-{time.monotonic_ns()}"  # this test's own groups
-    context = EpochContext.here(f"{token}-0", pipe._ref, plan, None)
+    plan, context, token = _epoch_of_its_own(client, indexed)
     group = plan.window_spans[0].group
     first = claim_read(context, group)  # the first replica's read ahead, under way
     assert first is not None
@@ -625,8 +628,6 @@ def test_a_group_read_ahead_for_a_closed_pipeline_wakes_the_windows_waiting_for_
         forget_groups(token)  # the first replica's pipeline closes
         assert claim_read(context, group) is None  # the read is under way: no second claim
         read_ahead(context, group, first)
-        arrays = waiting.result(timeout=30)
+        _first_window_read(plan, waiting)
     finally:
         pool.shutdown(wait=False)
-    span = plan.window_spans[0]
-    assert len(arrays["x"]) == span.stop - span.start

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from dasktrain.trainer.exchange.client import ChannelClient
 from dasktrain.trainer.flat import FlatModel
 from dasktrain.trainer.holder import ParameterHolder
 from dasktrain.trainer.holder.arithmetic import INLINE_SIZE, Lease
+from tests.common.builders import wait_for
 from tests.common.channel import on_loop, serve_channel
 from tests.common.training import zeros_holder
 
@@ -208,14 +208,6 @@ def _parameters(server, holder) -> np.ndarray:
     return params
 
 
-def _until(condition, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within 10 s: {what}")
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_holder_keeps_its_parameters_in_the_model_of_a_worker_sharing_memory(mode):
     """Its replies then cost no copy: the update lands in the worker's model in place, and
@@ -268,12 +260,12 @@ def test_a_superseded_incarnations_reply_stays_out_of_its_successors_model():
             first.receive_into(first.shared.reply)
             first.shared.payload[:] = 1.0
             waiting = first.push(0, first.shared.payload, 1, 0.0, (0, 1))
-            _until(lambda: on_loop(server, holder.progress)["waiting_for"] == [0],
-                   "worker 1's push waits in the round")
+            wait_for(lambda: on_loop(server, holder.progress)["waiting_for"] == [0], 10,
+                     "worker 1's push waits in the round")
             joined = on_loop(server, lambda: holder.join(1, None, holder.layout))
             assert joined["incarnation"] == 2 and joined["version"] == 0
             second = ChannelClient(server.contact(1, 2), 1, SIZE, 10, lambda: True)
-            _until(lambda: (1, 2) in regions_of, "the second incarnation's region is told")
+            wait_for(lambda: (1, 2) in regions_of, 10, "the second incarnation's region")
             # The round is applied; the first push's answer (on the holder's loop, woken with
             # this push's) finds its connection closed for the newer one.
             on_loop(server, lambda: holder.push(0, 1, 0, np.ones(SIZE, np.float32), 1, 0.0,
@@ -308,8 +300,8 @@ def test_the_holders_parameters_leave_the_model_of_a_worker_it_let_go(how, size)
                 on_loop(server, lambda: holder.drop(0, "silent"))
             else:
                 channel.stop()
-            _until(lambda: not on_loop(server, _async(_shares, holder, region)),
-                   "the parameters leave the worker's model")
+            wait_for(lambda: not on_loop(server, _async(_shares, holder, region)), 10,
+                     "the parameters to leave the worker's model")
             region[:] = 5.0  # what its process may write from now on
             assert (_parameters(server, holder) == -1.0).all()
         finally:

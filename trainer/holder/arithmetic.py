@@ -201,6 +201,12 @@ class Arithmetic:
         with self._lock:
             if id(self._flat) not in self._leases:
                 return
+        self._to_a_free_buffer()
+
+    def _to_a_free_buffer(self) -> None:
+        """Copy the master state to a buffer of the holder's own (a spare, else a new one)
+        and keep it there (inside the serial section)."""
+        with self._lock:  # a spare is never the master state (see lease's release)
             fresh = self._spare.pop() if self._spare else torch.empty_like(self._flat)
         fresh.copy_(self._flat)
         self._flat = fresh
@@ -250,14 +256,8 @@ class Arithmetic:
     def _move_out_of(self, region: np.ndarray) -> None:
         """Copy the master state to memory of the holder's own if it lies in ``region``
         (inside the serial section)."""
-        current = self._flat
-        if current.data_ptr() != region.ctypes.data:
-            return
-        with self._lock:
-            fresh = self._spare.pop() if self._spare else torch.empty_like(current)
-        fresh.copy_(current)
-        self._flat = fresh
-        self._optim.repoint(fresh[: self.layout.num_params])
+        if self._flat.data_ptr() == region.ctypes.data:
+            self._to_a_free_buffer()
 
     def adopt_for(self, worker: int, incarnation: int) -> None:
         """Keep the master state in the region of ``worker``'s ``incarnation``, if it
