@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import statistics
 from typing import Any
 
 import numpy as np
@@ -363,8 +362,10 @@ def test_every_mode_converges(client, wave, mode):
     # 2 workers their staleness takes the place of momentum 0.5 (docs/modes.md).
     history = trainer.fit(wave.data, epochs=6, client=client)
     check_invariants(history, mode, {}, parameters=flat_parameters(trainer.model))
-    assert statistics.fmean(history.loss[-3:]) < 0.5 * start, (start, history.loss)
-    assert wave.loss_of(trainer.model) < 0.5 * start
+    # On the whole data: the last updates' losses are of single batches of 16 rows (8 at
+    # an epoch's end), too few to judge by.
+    final = wave.loss_of(trainer.model)
+    assert final < 0.5 * start, (final, start, history.events)
 
 
 # -- 6. what a resume refuses, and what it allows -----------------------------------------
