@@ -114,15 +114,20 @@ def test_a_run_grows_and_shrinks_with_the_cluster_and_applies_each_row_once(tmp_
         assert sign not in logged, logged[-3000:]
 
 
-def _assert_grew_and_shrank(history, scaling) -> None:
+def _assert_grew_and_shrank(history, scaling, waited_for: bool = False) -> None:
     """A trainer worker took work on the added Dask worker (joining mid-epoch when its
     process is up in time, else at the next epoch's start), and left when it was retired,
-    handing back what it had claimed; nobody restarted."""
+    handing back what it had claimed; nobody restarted. ``waited_for``: the mode's rounds
+    wait for every worker, and the scheduler forgets a retired worker before its task
+    hears of it, so the holder's watch may find it gone and drop it before its leave
+    arrives (test_chaos.py's retire cases): either way it goes out once."""
     events = "\n".join(history.events)
-    assert scaling.retired and "left: its Dask worker is retiring" in events, events
+    went = [e for e in history.events if "left: its Dask worker is retiring" in e
+            or (waited_for and "worker 2 dropped: its Dask worker" in e and "is gone" in e)]
+    assert scaling.retired and len(went) == 1, events
     # No restart: workers 0 and 1 never rejoined, never came back, never were dropped.
-    assert not any(w in e for e in history.events for w in ("rejoined", "came back",
-                                                             "dropped")), events
+    assert not any(w in e for e in history.events if e not in went
+                   for w in ("rejoined", "came back", "dropped")), events
     shares = [record["batches_per_worker"] for record in history.epochs]
     assert all(sum(s) == ROWS // 10 for s in shares)
     assert any(len(s) > 2 and s[2] > 0 for s in shares), shares
@@ -150,7 +155,7 @@ def test_an_averaging_run_grows_and_shrinks_and_applies_each_sample_once(tmp_pat
         mode="average", average_every=1)  # rounds of a batch: enough updates to retire on
     assert sum(history.samples) == 3 * ROWS, history.events
     assert not any(history.dropped), history.events
-    _assert_grew_and_shrank(history, scaling)
+    _assert_grew_and_shrank(history, scaling, waited_for=True)
 
 
 def _tally_opening(rows: int, marker: str, gate: str):
