@@ -174,11 +174,18 @@ def _read_group(context: EpochContext, ref: ArraysRef, plan: EpochPlan, group: i
                 if keep:  # this thread reads it; another that asks meanwhile waits
                     mine = _READING[key] = threading.Event()
                 break
-        # Another thread of this process is reading the group (a window next to this
-        # one): wait for its read rather than make a second. It is running, not queued,
-        # and always sets the event; the bound only guards a read that hangs.
-        if not reading.wait(_READ_WAIT):
-            break
+        # Another thread of this process is reading the group (a window next to this one,
+        # running): wait for it, or take over a read that hangs, with whoever waits.
+        if reading.wait(_READ_WAIT):
+            continue
+        with _GROUPS_LOCK:
+            if _READING.get(key) is not reading:  # another window took it over first
+                continue
+            del _READING[key]
+            if keep:
+                mine = _READING[key] = threading.Event()
+        reading.set()
+        break
     try:
         read = _read_blocks(ref, plan, group)
         left = _windows_of(context.digest, plan)[group] - 1 if keep else 0
@@ -202,9 +209,8 @@ def _keep_group(key: tuple[str, int], read: tuple[dict[str, np.ndarray], bool], 
 
 
 def _read_over(key: tuple[str, int], claim: threading.Event, forget: bool = False) -> None:
-    """The read of ``key``'s group that ``claim`` stands for is over (``forget``: given up,
-    as if never begun): the windows that wait for it go on. Only that claim: a later one
-    of the same group (another pipeline of this process on the same data) stays."""
+    """``claim``'s read of ``key``'s group is over (``forget``: given up, as if never
+    begun): its windows go on. A later claim of the group (another pipeline's) stays."""
     with _GROUPS_LOCK:
         if forget:
             _STARTED.pop(key, None)
@@ -214,11 +220,10 @@ def _read_over(key: tuple[str, int], claim: threading.Event, forget: bool = Fals
 
 
 def claim_read(context: EpochContext, group: int) -> threading.Event | None:
-    """Claim a group's read for a read ahead (placement "consumer": see
-    :class:`~dasktrain.pipeline.submit.LocalReaders`), unless this process has read it, or
-    is reading it, already: from now on its windows wait for that read rather than make
-    their own. The claim, or None; a claim must be given to :func:`read_ahead` or
-    :func:`drop_claim`."""
+    """Claim a group's read ahead (placement "consumer": see
+    :class:`~dasktrain.pipeline.submit.LocalReaders`) unless this process read it, or is
+    reading it: its windows then wait for that read. The claim, or None: give it to
+    :func:`read_ahead` or :func:`drop_claim`."""
     key = (context.digest, group)
     with _GROUPS_LOCK:
         # A read under way is known by its claim even where its start was forgotten (a
@@ -296,8 +301,7 @@ _WINDOWS: collections.OrderedDict[str, collections.Counter] = collections.Ordere
 _GROUPS_LOCK = threading.Lock()
 _GROUPS_KEEP = 8
 _READING: dict[tuple[str, int], threading.Event] = {}  # groups being read, by whom waits
-# Groups read, or being read, lately: a read ahead never reads one again (its windows may
-# have taken it and let it go already).
+# Groups read, or being read, lately: never read ahead again (their windows may be done).
 _STARTED: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
 _STARTED_KEEP = 4096
 _READ_WAIT = 300.0  # seconds a window waits for another thread's read of its group

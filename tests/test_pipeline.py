@@ -568,14 +568,15 @@ def test_without_a_transform_blocks_are_read_in_the_consumer(client, indexed):
         np.testing.assert_array_equal(a, b)
 
 
-def _epoch_of_its_own(client, indexed) -> tuple[EpochPlan, Any, str]:
-    """A consumer-read pipeline's epoch-0 plan and a context for it under a token of this
-    test's own (this process may have read the pipeline's groups in other tests)."""
+def _epoch_of_its_own(client, indexed, **plan: Any) -> tuple[EpochPlan, Any, str]:
+    """A consumer-read pipeline's epoch-0 plan (with ``plan``'s fields changed) and a
+    context for it under a token of this test's own (this process may have read the
+    pipeline's groups in other tests)."""
     from dasktrain.pipeline.tasks import EpochContext
 
     pipe = dt.Pipeline(indexed, batch_size=100, seed=2, client=client)
     assert pipe.placement == "consumer"
-    plan = pipe.plan(0)
+    plan = dataclasses.replace(pipe.plan(0), **plan)
     token = f"own-{os.getpid()}-{time.monotonic_ns()}"
     return plan, EpochContext.here(f"{token}-0", pipe._ref, plan, None), token
 
@@ -630,4 +631,33 @@ def test_a_group_read_ahead_for_a_closed_pipeline_wakes_the_windows_waiting_for_
         read_ahead(context, group, first)
         _first_window_read(plan, waiting)
     finally:
+        pool.shutdown(wait=False)
+
+
+def test_windows_waiting_for_a_read_that_hangs_go_on_with_one_that_takes_it_over(
+        client, indexed, monkeypatch):
+    """A group's read ahead hangs (its claim is never let go here). The windows of the
+    group waiting for it wait out the bound once: the first to do so reads the group in
+    its place and lets the hung read's waiters go, so they wait for that read instead of
+    each waiting out the bound in turn."""
+    from dasktrain.pipeline import tasks
+
+    monkeypatch.setattr(tasks, "_READ_WAIT", 1.0)
+    # Groups of 4 blocks cut into windows: each window keeps its group for the others.
+    plan, context, _ = _epoch_of_its_own(client, indexed, shuffle_blocks=4, task_rows=100)
+    group = plan.window_spans[0].group
+    windows = [w for w, span in enumerate(plan.window_spans) if span.group == group]
+    assert len(windows) >= 2, plan.window_spans
+    hung = tasks.claim_read(context, group)
+    assert hung is not None
+    pool = concurrent.futures.ThreadPoolExecutor(len(windows))
+    try:
+        reads = [pool.submit(tasks.load_window, context, w) for w in windows]
+        for w, read in zip(windows, reads, strict=True):
+            span = plan.window_spans[w]
+            assert len(read.result(timeout=30)["x"]) == span.stop - span.start
+        assert hung.is_set()  # whoever waited for the hung read was let go
+        assert tasks.claim_read(context, group) is None  # nothing left claimed twice
+    finally:
+        tasks.drop_claim(context, group, hung)
         pool.shutdown(wait=False)
