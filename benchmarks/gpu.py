@@ -461,7 +461,8 @@ def where_a_step_goes(name: str, optimizer: str, device: torch.device, precision
     in their place (the copy onto the device from pinned memory, the optimizer on the
     device)."""
     from dasktrain.trainer.flat import FlatModel
-    from dasktrain.trainer.holder.arithmetic import Arithmetic, as_tensor
+    from dasktrain.trainer.holder.arithmetic import Arithmetic
+    from dasktrain.trainer.holder.mean import as_tensor
     from dasktrain.trainer.optim.flat import FlatOptimizer
     from dasktrain.trainer.worker.compute import BatchCompute
 

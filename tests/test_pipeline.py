@@ -581,9 +581,9 @@ def _epoch_of_its_own(client, indexed, **plan: Any) -> tuple[EpochPlan, Any, str
     return plan, EpochContext.here(f"{token}-0", pipe._ref, plan, None), token
 
 
-def _first_window_read(plan: EpochPlan, read: concurrent.futures.Future) -> None:
-    """``read`` (of window 0) ends within 30 s with the window's rows."""
-    span = plan.window_spans[0]
+def _window_read(plan: EpochPlan, read: concurrent.futures.Future, window: int = 0) -> None:
+    """``read`` (of ``window``) ends within 30 s with the window's rows."""
+    span = plan.window_spans[window]
     assert len(read.result(timeout=30)["x"]) == span.stop - span.start
 
 
@@ -604,7 +604,7 @@ def test_a_read_ahead_refused_by_a_closed_pipeline_holds_up_no_other(client, ind
         closed.read_ahead(context, group)
     pool = concurrent.futures.ThreadPoolExecutor(1)  # the other pipeline's read thread
     try:
-        _first_window_read(plan, pool.submit(load_window, context, 0))
+        _window_read(plan, pool.submit(load_window, context, 0))
     finally:
         pool.shutdown(wait=False)
 
@@ -629,7 +629,7 @@ def test_a_group_read_ahead_for_a_closed_pipeline_wakes_the_windows_waiting_for_
         forget_groups(token)  # the first replica's pipeline closes
         assert claim_read(context, group) is None  # the read is under way: no second claim
         read_ahead(context, group, first)
-        _first_window_read(plan, waiting)
+        _window_read(plan, waiting)
     finally:
         pool.shutdown(wait=False)
 
@@ -654,8 +654,7 @@ def test_windows_waiting_for_a_read_that_hangs_go_on_with_one_that_takes_it_over
     try:
         reads = [pool.submit(tasks.load_window, context, w) for w in windows]
         for w, read in zip(windows, reads, strict=True):
-            span = plan.window_spans[w]
-            assert len(read.result(timeout=30)["x"]) == span.stop - span.start
+            _window_read(plan, read, w)
         assert hung.is_set()  # whoever waited for the hung read was let go
         assert tasks.claim_read(context, group) is None  # nothing left claimed twice
     finally:

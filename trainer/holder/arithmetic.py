@@ -36,12 +36,12 @@ import torch
 
 from dasktrain.trainer.exchange.landing import Landing
 from dasktrain.trainer.flat import FlatLayout
-from dasktrain.trainer.holder.mean import Means, as_tensor
+from dasktrain.trainer.holder.mean import Means
 from dasktrain.trainer.optim import OptimizerConfig
 from dasktrain.trainer.optim.flat import FlatOptimizer
 from dasktrain.trainer.worker.compute import clip_gradient
 
-__all__ = ["INLINE_SIZE", "SPLIT_SIZE", "Arithmetic", "Lease", "all_finite", "as_tensor"]
+__all__ = ["INLINE_SIZE", "SPLIT_SIZE", "Arithmetic", "Lease", "all_finite"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +156,7 @@ class Arithmetic:
     def all_finite(self, values: torch.Tensor) -> bool:
         """Whether every value is finite (:func:`all_finite`, in halves at once); for the
         average just returned by :meth:`average`, from the sums taken as it was written."""
-        sums, self.means.sums = self.means.sums, None
-        if sums is not None and sums[0] is values and all(map(math.isfinite, sums[1])):
+        if self.means.written_finite(values):
             return True
         return all(self._in_halves(len(values), lambda part: all_finite(values[part])))
 

@@ -25,7 +25,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from dasktrain.trainer.holder.arithmetic import all_finite, as_tensor
+from dasktrain.trainer.holder.arithmetic import all_finite
+from dasktrain.trainer.holder.mean import as_tensor
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "all_finite", "check_policy", "finite_mean"]
 

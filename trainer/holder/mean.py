@@ -9,6 +9,7 @@ round's mean may also be begun while its last payloads arrive (:meth:`Means.begi
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,13 +45,19 @@ class Means:
     def __init__(self, size: int, in_halves: InHalves) -> None:
         self.buffer = torch.empty(size, dtype=torch.float32)
         # The sums of the last average's parts, for the finiteness check that follows it.
-        self.sums: tuple[torch.Tensor, list[float]] | None = None
+        self._sums: tuple[torch.Tensor, list[float]] | None = None
         self._in_halves = in_halves
         self._lock = threading.Lock()  # the mean begun early: taken from two threads
         # A round's mean begun before the round closed (see .early), and its thread.
         self._early: EarlyMean | None = None
         self._early_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.early_means = 0  # averages found written by a mean begun early
+
+    def written_finite(self, values: torch.Tensor) -> bool:
+        """Whether ``values`` is the average just written and the sums of its parts are
+        finite, so every value is (once: the sums go with the asking)."""
+        sums, self._sums = self._sums, None
+        return sums is not None and sums[0] is values and all(map(math.isfinite, sums[1]))
 
     def close(self) -> None:
         self.drop_early()
@@ -63,7 +70,7 @@ class Means:
         next call). ``overflow_safe``: as a weighted sum, which stays finite for finite
         payloads; the running mean takes differences, which overflow near the float32
         limit."""
-        self.sums = None
+        self._sums = None
         with self._lock:
             early, self._early = self._early, None
         if early is not None and not overflow_safe and len(payloads) > 1:
@@ -73,7 +80,7 @@ class Means:
                                 lambda start, stop: self._in_halves(stop, part, start))
             if sums is not None:
                 self.early_means += 1
-                self.sums = (self.buffer, sums)
+                self._sums = (self.buffer, sums)
                 return self.buffer
         if early is not None:
             early.stop()
@@ -82,7 +89,7 @@ class Means:
         if len(payloads) == 1:
             return as_tensor(payloads[0])
         weighted_sum = self._part(payloads, weights, overflow_safe)
-        self.sums = (self.buffer, self._in_halves(len(self.buffer), weighted_sum))
+        self._sums = (self.buffer, self._in_halves(len(self.buffer), weighted_sum))
         return self.buffer
 
     def begin(self, payloads: Sequence[np.ndarray], weights: Sequence[float],

@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dasktrain.trainer.holder.arithmetic import as_tensor
 from dasktrain.trainer.holder.divergence import all_finite
+from dasktrain.trainer.holder.mean import as_tensor
 from dasktrain.trainer.modes.base import Adjust, Adjusted, Contribution, Host, UpdateMode
 from dasktrain.trainer.modes.momentum import ImplicitMomentum, Relaxation, compensated, step_factor
 
